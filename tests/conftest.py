@@ -1,0 +1,135 @@
+"""Shared fixtures: the real parts (offline assets, a vLLM server on CPU, the retrieval server) started once per session.
+
+Servers are started by the tests themselves, never by hand, so a fresh clone on a fresh machine passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# SQuAD dev articles whose paragraphs form the small test corpus (and whose questions the tests ask).
+TEST_CORPUS_ARTICLES = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise TimeoutError(f"{url} not healthy after {timeout_s}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def offline_assets():
+    from searchr1_trl.assets import require
+
+    return require()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(offline_assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(offline_assets.model)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(offline_assets, tmp_path_factory) -> Path:
+    """A randomly initialised 2-layer Qwen2 with the real Qwen2.5 tokenizer and tool-calling chat template."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(offline_assets.model)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def squad_dev_sample(offline_assets):
+    """(corpus rows, question rows) for the first TEST_CORPUS_ARTICLES SQuAD dev articles."""
+    import pandas as pd
+
+    questions = pd.read_parquet(offline_assets.test_questions)
+    titles = list(dict.fromkeys(questions["title"]))[:TEST_CORPUS_ARTICLES]
+    questions = questions[questions["title"].isin(titles)].reset_index(drop=True)
+    corpus = []
+    with open(offline_assets.corpus) as f:
+        for line in f:
+            row = json.loads(line)
+            if row["contents"].split("\n", 1)[0] in titles:
+                corpus.append(row)
+    return corpus, questions
+
+
+@pytest.fixture(scope="session")
+def vllm_server(offline_assets, tmp_path_factory):
+    """A real `trl vllm-serve` on CPU serving the offline Qwen2.5-Coder-0.5B-Instruct."""
+    from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    config = VLLMServerConfig(model=offline_assets.model, port=free_port(), max_model_len=4096, log_file=str(log))
+    with VLLMServer(config) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def retriever_url(offline_assets, squad_dev_sample, tmp_path_factory):
+    """A real retrieval server (offline MiniLM embedder, exact faiss index) over the small SQuAD dev corpus."""
+    corpus_rows, _ = squad_dev_sample
+    work = tmp_path_factory.mktemp("retriever")
+    corpus = work / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(row) + "\n" for row in corpus_rows))
+    index = work / "index.faiss"
+    subprocess.run(
+        [sys.executable, "-m", "retriever_server.build_index", "--corpus_path", str(corpus),
+         "--retriever_model", offline_assets.embedder, "--index_path", str(index)],
+        check=True,
+    )
+    port = free_port()
+    log = work / "server.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "retriever_server.server", "--index_path", str(index), "--corpus_path",
+             str(corpus), "--retriever_model", offline_assets.embedder, "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", process, 300, log)
+        yield f"http://127.0.0.1:{port}/retrieve"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
