@@ -1,0 +1,170 @@
+"""The question stream: an endless, reproducible, resumable sequence of Search-R1 questions.
+
+Rows come from a parquet with ``question`` and ``golden_answers`` columns (and optionally ``data_source``): the
+preprocessed NQ/HotpotQA files on the Hub dataset ``PeterJinGo/nq_hotpotqa_train`` by default, or a local file via
+``data_path``. The stream never ends: with ``shuffle`` (the default) every epoch is a fresh permutation drawn from a
+numpy Generator seeded by ``seed``, so each wrap shows the rows in a new order and each row exactly once per epoch;
+with ``shuffle=False`` every epoch is file order, so validation draws the same samples every time.
+``state_dict()`` captures the generator state, the current epoch's order and the cursor, so a resumed run yields
+exactly the samples the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+REQUIRED_COLUMNS = ("question", "golden_answers")
+
+
+@dataclass(frozen=True)
+class SearchR1Sample:
+    """One question; a prediction is correct when it matches any of ``golden_answers`` after normalisation."""
+
+    question: str
+    golden_answers: tuple[str, ...]
+    data_source: str | None = None
+
+
+@dataclass
+class SearchR1DatasetConfig:
+    filename: str = field(
+        default="train.parquet",
+        metadata={"help": "Parquet file inside `repo_id` to load: `train.parquet` (training) or `test.parquet`."},
+    )
+    repo_id: str = field(
+        default="PeterJinGo/nq_hotpotqa_train",
+        metadata={"help": "Hugging Face Hub dataset repository holding the preprocessed NQ/HotpotQA parquet files."},
+    )
+    data_path: str | None = field(
+        default=None,
+        metadata={"help": "Local parquet file; when set it replaces the Hub download. Needs `question` and "
+                          "`golden_answers` columns."},
+    )
+    seed: int = field(default=42, metadata={"help": "Seed of the row shuffle (a fresh permutation every epoch)."})
+    data_source: str | None = field(
+        default=None,
+        metadata={"help": "Keep only rows whose `data_source` equals this (e.g. `nq`); None keeps every row."},
+    )
+    shuffle: bool = field(
+        default=True,
+        metadata={"help": "Shuffle rows with `seed`, reshuffling on every wrap. False keeps file order, so "
+                          "validation draws the same samples every time."},
+    )
+
+
+def _golden_answers(value: Any, row: int, path: str) -> tuple[str, ...]:
+    """The golden answers of one row as a tuple of strings.
+
+    Hub files store a list or numpy array of strings, some files a single string:
+    ``np.array(["Paris", "City of Light"])`` -> ``("Paris", "City of Light")``; ``"Paris"`` -> ``("Paris",)``.
+    """
+    answers = (value,) if isinstance(value, str) else value
+    if not isinstance(answers, (list, tuple, np.ndarray)) or not all(isinstance(a, str) for a in answers):
+        raise ValueError(f"{path}: row {row}: golden_answers must be a string or a list of strings, got {value!r}")
+    if len(answers) == 0:
+        raise ValueError(f"{path}: row {row}: golden_answers is empty; every question needs at least one answer")
+    return tuple(answers)
+
+
+def load_samples(path: str, data_source: str | None = None) -> list[SearchR1Sample]:
+    """Every row of the parquet at ``path`` (only those of ``data_source`` when given), in file order."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no such file (expected a parquet with columns {', '.join(REQUIRED_COLUMNS)})")
+    frame = pd.read_parquet(path)
+    missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; found {', '.join(map(str, frame.columns))}")
+    has_source = "data_source" in frame.columns
+    if frame.empty:
+        raise ValueError(f"{path}: the file has no rows")
+    if data_source is not None:
+        if not has_source:
+            raise ValueError(f"{path}: data_source={data_source!r} asked for but the file has no data_source column")
+        found = sorted(map(str, frame["data_source"].unique()))
+        frame = frame[frame["data_source"] == data_source]
+        if frame.empty:
+            raise ValueError(f"{path}: empty after filtering: no row has data_source={data_source!r} (found {found})")
+    sources = frame["data_source"] if has_source else [None] * len(frame)
+    samples = []
+    for row, question, answers, source in zip(frame.index, frame["question"], frame["golden_answers"], sources):
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"{path}: row {row}: question must be a non-empty string, got {question!r}")
+        samples.append(SearchR1Sample(question, _golden_answers(answers, row, path), source))
+    return samples
+
+
+class SearchR1Dataset(Iterator[SearchR1Sample]):
+    """Endless iterator of :class:`SearchR1Sample`; see the module docstring for order and resume semantics."""
+
+    def __init__(self, config: SearchR1DatasetConfig | None = None):
+        self.config = config or SearchR1DatasetConfig()
+        self.path = self._resolve_path()
+        self.samples = load_samples(self.path, self.config.data_source)
+        self._rng = np.random.default_rng(self.config.seed)
+        self._epoch = 0
+        self._order = self._draw_order(self._rng)
+        self._cursor = 0
+
+    def _resolve_path(self) -> str:
+        """The local parquet: ``data_path`` as given, else the Hub file (downloaded once, then from the cache)."""
+        if self.config.data_path is not None:
+            return self.config.data_path
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(self.config.repo_id, self.config.filename, repo_type="dataset")
+
+    def _draw_order(self, rng: np.random.Generator) -> list[int]:
+        """The row order of the epoch about to start; draws from ``rng`` only when shuffling."""
+        if self.config.shuffle:
+            return rng.permutation(len(self.samples)).tolist()
+        return list(range(len(self.samples)))
+
+    def __len__(self) -> int:
+        """Distinct samples (one epoch), not the length of the endless stream."""
+        return len(self.samples)
+
+    def __next__(self) -> SearchR1Sample:
+        if self._cursor == len(self._order):
+            self._epoch += 1
+            self._order = self._draw_order(self._rng)
+            self._cursor = 0
+        sample = self.samples[self._order[self._cursor]]
+        self._cursor += 1
+        return sample
+
+    def take(self, n: int) -> list[SearchR1Sample]:
+        """The first ``n`` samples a freshly built stream yields, at most one epoch of them; this stream does not move.
+
+        A fixed slice for validation: with ``shuffle=False`` it is the first ``n`` rows of the file, with
+        ``shuffle=True`` the start of the ``seed``'s first permutation, and it is the same on every call.
+        """
+        order = self._draw_order(np.random.default_rng(self.config.seed))
+        return [self.samples[i] for i in order[:n]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream stands, as plain ints and lists (JSON- and pickle-safe)."""
+        return {
+            "num_samples": len(self.samples),
+            "epoch": self._epoch,
+            "cursor": self._cursor,
+            "order": list(self._order),
+            "rng": self._rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where the stream that produced ``state`` stood."""
+        if state["num_samples"] != len(self.samples):
+            raise ValueError(
+                f"{self.path}: the saved stream state is for {state['num_samples']} samples, this dataset has "
+                f"{len(self.samples)} (different file or data_source?)"
+            )
+        self._epoch = state["epoch"]
+        self._cursor = state["cursor"]
+        self._order = list(state["order"])
+        self._rng.bit_generator.state = state["rng"]
