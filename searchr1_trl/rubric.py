@@ -1,0 +1,173 @@
+"""Search-R1 reward: exact match (EM) of the final answer against the golden answers.
+
+Pure EM 0/1 by default; two opt-in levers put the search behaviour into the gradient:
+
+- ``no_search_penalty`` (0.0) is subtracted from a correct answer given without any ``search`` call, so answering
+  from memory earns less than answering after searching (against closed-book reward hacking);
+- ``retrieval_score`` (0.0) is partial credit when the answer is wrong or missing but a search result contained a
+  golden answer as whole words (rewards finding the fact even when the model failed to use it).
+
+=========================================================  ===============================
+rollout                                                    reward
+=========================================================  ===============================
+correct, searched                                          ``score`` (1.0)
+correct, never searched                                    ``score - no_search_penalty``
+wrong or no answer, a search result holds a golden answer  ``retrieval_score``
+anything else                                              0.0
+=========================================================  ===============================
+
+The final answer is the content of the last assistant message; there is none when the rollout ended on a tool call
+or on empty content. Answers and golden answers are compared after SQuAD normalisation, exactly as the official
+SQuAD script does it, so EM numbers stay comparable with published Search-R1 results.
+
+A :class:`Rubric` sums weighted reward functions and gives ``truncation_reward`` (0.0) to rollouts a budget cut
+short. Every reward function, and the rubric itself, is a TRL reward function:
+``fn(prompts, completions, *, messages, golden_answers, status=None, **kwargs) -> list[float]``, where ``messages``
+is the whole conversation of each completion and ``status`` its :class:`~searchr1_trl.rollout.RolloutStatus`
+(value), both passed by the trainer's rollout function as extra fields.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from searchr1_trl.rollout import RolloutStatus
+
+_PUNCTUATION = frozenset(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lowercase, drop punctuation, drop a/an/the, collapse whitespace.
+
+    ``"The  Eiffel Tower!"`` -> ``"eiffel tower"``; punctuation is deleted, not spaced, as in SQuAD:
+    ``"Eiffel-Tower"`` -> ``"eiffeltower"``.
+    """
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def final_answer(messages: Sequence[dict]) -> str | None:
+    """The last assistant message's content, stripped; None if it made tool calls or is empty."""
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            if message.get("tool_calls"):
+                return None
+            return (message.get("content") or "").strip() or None
+    return None
+
+
+def _made_search_call(messages: Sequence[dict]) -> bool:
+    """Whether any assistant message called the ``search`` tool."""
+    return any(
+        (call.get("function") or {}).get("name") == "search"
+        for message in messages
+        if message.get("role") == "assistant"
+        for call in message.get("tool_calls") or []
+    )
+
+
+def _retrieval_surfaced_gold(messages: Sequence[dict], golds: set[str]) -> bool:
+    """Whether a normalised golden answer appears as whole words in a normalised search result.
+
+    ``{"ten"}`` is found in ``"Doc 1(Title: Ten) ten pins"`` but not in ``"Doc 1(Title: Tennis) tennis"``.
+    """
+    for message in messages:
+        if message.get("role") == "tool" and message.get("name") == "search":
+            # Pad with spaces so the match is on whole words: " ten " is not inside " tennis ".
+            passages = f" {normalize_answer(message.get('content') or '')} "
+            if any(f" {gold} " in passages for gold in golds):
+                return True
+    return False
+
+
+def _normalized_golds(golden_answers: Sequence[str]) -> set[str]:
+    """Normalised golden answers, without those that normalise to nothing (``"The"`` would match every answer)."""
+    return {gold for gold in map(normalize_answer, golden_answers) if gold}
+
+
+def _is_truncated(status: RolloutStatus | str | None) -> bool:
+    """Whether a budget ended the rollout; ``status`` arrives as the enum or its string value, or not at all."""
+    return status is not None and RolloutStatus(status).truncated
+
+
+@dataclass
+class RewardExactMatchConfig:
+    score: float = field(default=1.0, metadata={"help": "Reward of a correct final answer given after searching."})
+    no_search_penalty: float = field(
+        default=0.0,
+        metadata={"help": "Subtracted from a correct answer given without any search call (0.0: pure EM)."},
+    )
+    retrieval_score: float = field(
+        default=0.0,
+        metadata={"help": "Reward of a wrong or missing answer when a search result held a golden answer "
+                          "(0.0: pure EM)."},
+    )
+    weight: float = field(default=1.0, metadata={"help": "Weight of this reward in the rubric's sum."})
+
+
+class RewardExactMatch:
+    """Exact match of the final answer against any golden answer, with the two levers of the module docstring."""
+
+    def __init__(self, config: RewardExactMatchConfig | None = None):
+        self.config = config or RewardExactMatchConfig()
+        self.weight = self.config.weight
+        self.__name__ = "exact_match"  # the name TRL logs this reward under
+
+    def score(self, messages: Sequence[dict], golden_answers: Sequence[str]) -> float:
+        """The reward of one conversation."""
+        golds = _normalized_golds(golden_answers)
+        answer = final_answer(messages)
+        if answer is not None and normalize_answer(answer) in golds:
+            if _made_search_call(messages):
+                return self.config.score
+            return self.config.score - self.config.no_search_penalty
+        if self.config.retrieval_score and _retrieval_surfaced_gold(messages, golds):
+            return self.config.retrieval_score
+        return 0.0
+
+    def __call__(self, prompts, completions, *, messages, golden_answers, status=None, **kwargs) -> list[float]:
+        return [self.score(m, g) for m, g in zip(messages, golden_answers, strict=True)]
+
+
+RewardFn = Callable[..., list[float]]
+
+
+class Rubric:
+    """Weighted sum of reward functions; a truncated rollout gets ``truncation_reward`` instead.
+
+    A reward function's weight is its ``weight`` attribute (1.0 if it has none). As a TRL reward function the
+    rubric returns the total and, when TRL passes ``log_metric``, logs each reward function's batch mean
+    (``rubric/<name>``) and the truncated fraction (``rubric/truncated``), so
+    ``GRPOTrainer(reward_funcs=[rubric])`` trains on exactly :meth:`score` while every part stays visible.
+    """
+
+    def __init__(self, reward_fns: Sequence[RewardFn] | None = None, truncation_reward: float = 0.0):
+        self.reward_fns = list(reward_fns) if reward_fns is not None else [RewardExactMatch()]
+        self.truncation_reward = truncation_reward
+        self.__name__ = "rubric"
+
+    def __call__(self, prompts, completions, *, messages, golden_answers, status=None, log_metric=None, **kwargs):
+        statuses = status if status is not None else [None] * len(messages)
+        truncated = [_is_truncated(s) for s in statuses]
+        totals = [self.truncation_reward if t else 0.0 for t in truncated]
+        for fn in self.reward_fns:
+            scores = fn(prompts, completions, messages=messages, golden_answers=golden_answers, status=status, **kwargs)
+            weight = getattr(fn, "weight", 1.0)
+            totals = [total if t else total + weight * s for total, t, s in zip(totals, truncated, scores, strict=True)]
+            if log_metric is not None:
+                log_metric(f"rubric/{fn.__name__}", sum(scores) / len(scores))
+        if log_metric is not None:
+            log_metric("rubric/truncated", sum(truncated) / len(truncated))
+        return totals
+
+    def score(self, rollout: Any) -> float:
+        """The reward of one :class:`~searchr1_trl.rollout.Rollout` (its sample carries ``golden_answers``)."""
+        return self(
+            [None], [None], messages=[rollout.messages], golden_answers=[rollout.sample.golden_answers],
+            status=[rollout.status],
+        )[0]
