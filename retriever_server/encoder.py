@@ -1,0 +1,112 @@
+"""Text -> unit vectors, the one piece the index builder and the server must agree on.
+
+Defaults follow the model family named by ``retriever_name`` (or, when it is not given, by the model's own name):
+e5 models get mean pooling and the ``query: `` / ``passage: `` prefixes they were trained with, bge models get CLS
+pooling, everything else (the offline MiniLM included) mean pooling and no prefix. Embeddings are L2-normalised so
+that the index's inner product is cosine similarity. fp16 is used only on GPU, where it halves memory and doubles
+throughput; CPU kernels for fp16 are slow, so CPU stays fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from searchr1_trl.assets import OfflineAssets, cache_dir
+
+POOLINGS = ("mean", "cls")
+
+
+@dataclass
+class EncoderConfig:
+    """The embedding model and how its outputs become vectors; stored beside the index so the server can check it."""
+
+    retriever_model: str | None = field(
+        default=None,
+        metadata={"help": "Folder or Hub name of the embedding model (e.g. intfloat/e5-base-v2); "
+                          "default: the offline all-MiniLM-L6-v2 prepared by `searchr1-assets`."},
+    )
+    retriever_name: str | None = field(
+        default=None,
+        metadata={"help": "Model family (e5, bge, ...) that picks pooling and prefix defaults; default: the model's name."},
+    )
+    pooling: str | None = field(default=None, metadata={"help": "mean or cls; default: cls for bge, mean otherwise."})
+    normalize: bool = field(default=True, metadata={"help": "L2-normalise embeddings (inner product = cosine)."})
+    query_prefix: str | None = field(default=None, metadata={"help": "Prepended to queries; default 'query: ' for e5."})
+    passage_prefix: str | None = field(
+        default=None, metadata={"help": "Prepended to passages; default 'passage: ' for e5."}
+    )
+    max_length: int = field(default=256, metadata={"help": "Tokens kept per text; longer texts are truncated."})
+    encode_batch_size: int = field(default=128, metadata={"help": "Texts per forward pass."})
+    fp16: bool = field(default=True, metadata={"help": "Run the model in fp16 when on GPU (ignored on CPU)."})
+    device: str | None = field(default=None, metadata={"help": "torch device; default cuda if available, else cpu."})
+
+    def __post_init__(self) -> None:
+        if self.retriever_model is None:
+            self.retriever_model = OfflineAssets.under(cache_dir()).embedder
+        family = (self.retriever_name or Path(self.retriever_model.rstrip("/")).name).lower()
+        is_e5 = "e5" in family
+        if self.pooling is None:
+            self.pooling = "cls" if "bge" in family else "mean"
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.query_prefix is None:
+            self.query_prefix = "query: " if is_e5 else ""
+        if self.passage_prefix is None:
+            self.passage_prefix = "passage: " if is_e5 else ""
+        if self.max_length <= 0 or self.encode_batch_size <= 0:
+            raise ValueError(
+                f"max_length and encode_batch_size must be positive, got {self.max_length}, {self.encode_batch_size}"
+            )
+
+    def fingerprint(self) -> dict:
+        """The fields that change the vectors; an index is only valid for queries encoded with the same ones."""
+        keys = ("retriever_model", "pooling", "normalize", "query_prefix", "passage_prefix", "max_length")
+        return {k: v for k, v in asdict(self).items() if k in keys}
+
+
+class Encoder:
+    """A Hugging Face encoder with configurable pooling; ``encode_queries``/``encode_passages`` return float32 arrays."""
+
+    def __init__(self, config: EncoderConfig):
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(config.retriever_model)
+        dtype = torch.float16 if config.fp16 and self.device.type == "cuda" else torch.float32
+        self.model = AutoModel.from_pretrained(config.retriever_model, dtype=dtype).to(self.device).eval()
+        self.dim = self.model.config.hidden_size
+
+    def encode_queries(self, queries: list[str]) -> np.ndarray:
+        return self._encode([self.config.query_prefix + q for q in queries])
+
+    def encode_passages(self, passages: list[str]) -> np.ndarray:
+        return self._encode([self.config.passage_prefix + p for p in passages])
+
+    @torch.inference_mode()
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        # Texts of similar length share a batch, so little compute is spent on padding.
+        order = np.argsort([-len(t) for t in texts], kind="stable")
+        step = self.config.encode_batch_size
+        for start in range(0, len(texts), step):
+            rows = order[start:start + step]
+            batch = self.tokenizer(
+                [texts[i] for i in rows], padding=True, truncation=True, max_length=self.config.max_length,
+                return_tensors="pt",
+            ).to(self.device)
+            hidden = self.model(**batch).last_hidden_state
+            if self.config.pooling == "cls":
+                pooled = hidden[:, 0]
+            else:
+                # Padding positions must not dilute the mean, so they are masked out of both sum and count.
+                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+            pooled = pooled.float()
+            if self.config.normalize:
+                pooled = torch.nn.functional.normalize(pooled, dim=-1)
+            out[rows] = pooled.cpu().numpy()
+        return out
