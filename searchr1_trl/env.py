@@ -1,0 +1,277 @@
+"""The Search-R1 environment: where a question becomes a prompt and a tool call becomes passages.
+
+The prompt is one user message, :data:`INSTRUCTION` then the question; the chat template adds :data:`SEARCH_TOOL`
+to the system message (Qwen2.5 and Qwen3 inject tools there, so keeping the instruction in the user message leaves
+the template's own system prompt intact). A turn without tool calls is the final answer and ends the rollout; a
+turn with tool calls gets one ``tool`` message per call, all calls run concurrently. A search result is the top
+``topk`` passages, one per line: ``Doc 1(Title: <title>) <text>``.
+
+Retrieval goes through one pooled ``httpx.AsyncClient`` per :class:`RetrievalClient`. Searches issued in the same
+event-loop instant (the calls of one turn, and the turns of every concurrent rollout that reaches a search together)
+are sent as one request, so the retriever embeds them in one batch. A request that times out, fails to connect,
+gets a 5xx/429 or an unreadable body is retried ``max_retries`` times with exponential backoff; a search that still
+fails gives the model an empty result, is logged as a warning and is counted in :meth:`SearchR1Env.metrics`, never
+raised into the rollout.
+
+Malformed calls are answered, not raised: arguments that are not a JSON object with a non-empty string ``query``
+(whether they arrive as a dict or a JSON string) send nothing and get :data:`EMPTY_QUERY_MESSAGE`; a call of any
+other tool gets a message naming the unknown tool. Both are counted, so the model learns the call was wrong and the
+logs show how often it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from searchr1_trl.rollout import EnvStep, MessageEnv
+
+logger = logging.getLogger(__name__)
+
+SEARCH_TOOL: dict = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": (
+            "Search a Wikipedia-derived knowledge base and return the top passages for a query. "
+            "Use it whenever you need external facts to answer the question."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string", "description": "The natural-language search query."}},
+            "required": ["query"],
+        },
+    },
+}
+
+INSTRUCTION = (
+    "Answer the question below. Whenever you are not sure of a fact, call the search tool to look it up; you may "
+    "search several times. When you know the answer, reply with only the answer: an entity or a short phrase, "
+    "not a sentence and no explanation (for example: Beijing)."
+)
+
+EMPTY_QUERY_MESSAGE = 'Error: search needs a non-empty string argument "query"; nothing was searched.'
+
+
+@dataclass
+class SearchR1EnvConfig:
+    search_url: str = field(
+        default="http://127.0.0.1:8000/retrieve", metadata={"help": "URL of the retrieval server's /retrieve route."}
+    )
+    topk: int = field(default=3, metadata={"help": "Passages returned per search."})
+    timeout_s: float = field(default=60.0, metadata={"help": "Timeout of one retrieval request, in seconds."})
+    max_retries: int = field(
+        default=2, metadata={"help": "Retries of a failed retrieval request before the searches get empty results."}
+    )
+    retry_backoff_s: float = field(
+        default=0.5, metadata={"help": "Wait before the first retry, doubled for every further retry, in seconds."}
+    )
+
+
+def _passages_to_string(docs: list[dict]) -> str:
+    """The passages as the model reads them, one per line.
+
+    ``[{"contents": "Eiffel Tower\\nA tower in Paris."}]`` -> ``"Doc 1(Title: Eiffel Tower) A tower in Paris."``
+    """
+    lines = []
+    for number, doc in enumerate(docs, start=1):
+        title, _, text = doc["contents"].partition("\n")
+        lines.append(f"Doc {number}(Title: {title}) {text}")
+    return "\n".join(lines)
+
+
+def _passages_per_query(body: Any, num_queries: int) -> list[list[dict]]:
+    """The ``result`` lists of a /retrieve response; ValueError naming what was expected if it has another shape."""
+    result = body.get("result") if isinstance(body, dict) else None
+    well_formed = isinstance(result, list) and len(result) == num_queries and all(
+        isinstance(docs, list) and all(isinstance(doc, dict) and isinstance(doc.get("contents"), str) for doc in docs)
+        for docs in result
+    )
+    if not well_formed:
+        raise ValueError(
+            f'expected {{"result": [[{{"contents": str}}, ...], ...]}} with {num_queries} lists, got {str(body)[:200]}'
+        )
+    return result
+
+
+def _retryable(error: Exception) -> bool:
+    """Whether sending the same request again may succeed: not when the server rejected it as a bad request."""
+    if isinstance(error, httpx.HTTPStatusError):
+        status = error.response.status_code
+        return status >= 500 or status == 429
+    return True
+
+
+class RetrievalClient:
+    """Batched, retrying client of a Search-R1 retrieval server; see the module docstring."""
+
+    def __init__(self, config: SearchR1EnvConfig):
+        url = httpx.URL(config.search_url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"search_url must be an http(s) URL such as http://127.0.0.1:8000/retrieve, "
+                             f"got {config.search_url!r}")
+        if config.topk < 1 or config.timeout_s <= 0 or config.max_retries < 0 or config.retry_backoff_s < 0:
+            raise ValueError(f"expected topk >= 1, timeout_s > 0, max_retries >= 0 and retry_backoff_s >= 0, got "
+                             f"topk={config.topk}, timeout_s={config.timeout_s}, max_retries={config.max_retries}, "
+                             f"retry_backoff_s={config.retry_backoff_s}")
+        self.config = config
+        self._http: httpx.AsyncClient | None = None
+        self._http_loop: asyncio.AbstractEventLoop | None = None
+        self._pending: list[tuple[str, asyncio.Future[str]]] = []
+        self._requests_in_flight: set[asyncio.Task] = set()
+        self._counts: Counter[str] = Counter()
+
+    async def search(self, query: str) -> str:
+        """The top ``topk`` passages for ``query``, formatted for the model; "" if retrieval failed."""
+        loop = asyncio.get_running_loop()
+        if not self._pending:
+            # Flush on the next loop iteration, after every search issued in this one has joined the batch.
+            loop.call_soon(self._flush)
+        future: asyncio.Future[str] = loop.create_future()
+        self._pending.append((query, future))
+        self._counts["searches"] += 1
+        return await future
+
+    def _flush(self) -> None:
+        """Send every pending search as one request."""
+        batch, self._pending = self._pending, []
+        task = asyncio.get_running_loop().create_task(self._answer(batch))
+        self._requests_in_flight.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._requests_in_flight.discard)
+
+    async def _answer(self, batch: list[tuple[str, asyncio.Future[str]]]) -> None:
+        """Retrieve for a batch and resolve each search's future; identical queries are retrieved once."""
+        queries = list(dict.fromkeys(query for query, _ in batch))
+        try:
+            results = await self._retrieve(queries)
+        except Exception as error:  # a bug, not a retrieval failure: surface it in the rollouts instead of hanging them
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            raise
+        if results is None:
+            self._counts["failures"] += len(batch)
+            results = [""] * len(queries)
+        by_query = dict(zip(queries, results))
+        for query, future in batch:
+            if not future.done():  # done when the rollout waiting for it was cancelled
+                future.set_result(by_query[query])
+
+    async def _retrieve(self, queries: list[str]) -> list[str] | None:
+        """Formatted passages for each query, or None once every attempt has failed."""
+        payload = {"queries": queries, "topk": self.config.topk, "return_scores": False}
+        http = self._client()
+        attempts = self.config.max_retries + 1
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
+            self._counts["requests"] += 1
+            start = time.perf_counter()
+            try:
+                response = await http.post(self.config.search_url, json=payload)
+                response.raise_for_status()
+                return [_passages_to_string(docs) for docs in _passages_per_query(response.json(), len(queries))]
+            except (httpx.HTTPError, ValueError) as error:  # ValueError: body is not JSON or has another shape
+                last_error = error
+                if not _retryable(error):
+                    break
+            finally:
+                self._counts["latency_s"] += time.perf_counter() - start
+        # Warn, don't raise, so one flaky retriever doesn't crash the rollouts; the failures are counted too.
+        logger.warning(
+            "retrieval of %d queries from %s failed after %d attempt(s): %r; those searches get empty results",
+            len(queries), self.config.search_url, attempt + 1, last_error,
+        )
+        return None
+
+    def _client(self) -> httpx.AsyncClient:
+        """The pooled HTTP client of the running event loop."""
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http_loop is not loop:
+            # Pooled connections belong to the loop that opened them; a new loop (another asyncio.run) needs its own.
+            self._http = httpx.AsyncClient(timeout=self.config.timeout_s)
+            self._http_loop = loop
+        return self._http
+
+    def metrics(self) -> dict[str, float]:
+        """Counters since the last call (reset on read)."""
+        counts, self._counts = self._counts, Counter()
+        return {
+            "search/searches": counts["searches"],
+            "search/requests": counts["requests"],
+            "search/failures": counts["failures"],
+            "search/request_latency_s": counts["latency_s"] / counts["requests"] if counts["requests"] else 0.0,
+        }
+
+    async def aclose(self) -> None:
+        if self._http is not None and self._http_loop is asyncio.get_running_loop():
+            await self._http.aclose()
+        self._http = self._http_loop = None
+
+
+def _query_from_arguments(arguments: dict | str | None) -> str:
+    """The ``query`` argument of a search call, stripped; "" when missing, empty, not a string or unparseable.
+
+    ``{"query": " Eiffel Tower "}`` and ``'{"query": "Eiffel Tower"}'`` -> ``"Eiffel Tower"``; ``'{"query'`` -> ``""``.
+    """
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return ""  # counted by the caller as an empty query
+    query = arguments.get("query") if isinstance(arguments, dict) else None
+    return query.strip() if isinstance(query, str) else ""
+
+
+class SearchR1Env(MessageEnv):
+    """Search-R1 in message space: the question as the prompt, ``search`` as the only tool."""
+
+    def __init__(self, config: SearchR1EnvConfig | None = None):
+        self.config = config or SearchR1EnvConfig()
+        self.tools = [SEARCH_TOOL]
+        self.retrieval = RetrievalClient(self.config)
+        self._counts: Counter[str] = Counter()
+
+    def initial_messages(self, sample) -> list[dict]:
+        return [{"role": "user", "content": f"{INSTRUCTION}\n\nQuestion: {sample.question}"}]
+
+    async def step(self, message: dict) -> EnvStep:
+        calls = message.get("tool_calls") or []
+        if not calls:
+            return EnvStep(messages=[], done=True)
+        return EnvStep(messages=list(await asyncio.gather(*map(self._run_tool_call, calls))), done=False)
+
+    async def _run_tool_call(self, call: dict) -> dict:
+        """The tool message answering one call."""
+        function = call.get("function") or {}
+        name = function.get("name")
+        if name != "search":
+            self._counts["unknown_tool_calls"] += 1
+            content = f'Error: unknown tool {name!r}; the only tool is "search".'
+        elif query := _query_from_arguments(function.get("arguments")):
+            content = await self.retrieval.search(query)
+        else:
+            self._counts["empty_queries"] += 1
+            content = EMPTY_QUERY_MESSAGE
+        tool_message = {"role": "tool", "name": str(name), "content": content}
+        if call.get("id"):
+            tool_message["tool_call_id"] = call["id"]
+        return tool_message
+
+    def metrics(self) -> dict[str, float]:
+        counts, self._counts = self._counts, Counter()
+        return {
+            **self.retrieval.metrics(),
+            "search/empty_queries": counts["empty_queries"],
+            "search/unknown_tool_calls": counts["unknown_tool_calls"],
+        }
+
+    async def aclose(self) -> None:
+        await self.retrieval.aclose()

@@ -1,0 +1,385 @@
+"""Search-R1 environment: tool exposure, prompt, tool-call handling, batched retrieval and its failure handling.
+
+Faults are injected by a small retrieval server on a real loopback socket whose answers each test scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from searchr1_trl.data import SearchR1Sample
+from searchr1_trl.env import (
+    EMPTY_QUERY_MESSAGE,
+    INSTRUCTION,
+    SEARCH_TOOL,
+    RetrievalClient,
+    SearchR1Env,
+    SearchR1EnvConfig,
+    _passages_to_string,
+)
+from searchr1_trl.rollout import EnvStep, MessageEnv
+
+from conftest import free_port
+
+SAMPLE = SearchR1Sample(question="Where is the Eiffel Tower?", golden_answers=("Paris",))
+
+
+class FakeRetriever:
+    """A /retrieve server on loopback. Each request takes the next behaviour of ``script`` ("ok" once it is empty):
+
+    - "ok": ``topk`` passages per query, contents ``"Title <query>\\nPassage <i> about <query>."``
+    - "500" / "400": that HTTP status
+    - "garbage": 200 with a body that is not JSON
+    - "wrong shape": 200 with ``{"result": []}``
+    - "slow": answers "ok" after 1 s
+    """
+
+    def __init__(self):
+        self.script: list[str] = []
+        self.requests: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append(body)
+                behaviour = fake.script.pop(0) if fake.script else "ok"
+                if behaviour == "slow":
+                    time.sleep(1.0)
+                status, payload = {
+                    "500": (500, b"internal error"),
+                    "400": (400, b"bad request"),
+                    "garbage": (200, b"<html>not json"),
+                    "wrong shape": (200, b'{"result": []}'),
+                }.get(behaviour, (200, json.dumps({"result": [
+                    [{"contents": f"Title {q}\nPassage {i} about {q}."} for i in range(body["topk"])]
+                    for q in body["queries"]
+                ]}).encode()))
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client timed out and hung up
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/retrieve"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def fake_retriever_server():
+    server = FakeRetriever()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def fake_retriever(fake_retriever_server):
+    """The module's fake server with an empty script and no recorded requests."""
+    fake_retriever_server.script, fake_retriever_server.requests = [], []
+    return fake_retriever_server
+
+
+def env_for(url: str, **overrides) -> SearchR1Env:
+    return SearchR1Env(SearchR1EnvConfig(search_url=url, retry_backoff_s=0.01, **overrides))
+
+
+def search_call(arguments, name="search") -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def assistant(*calls, content="") -> dict:
+    return {"role": "assistant", "content": content, "tool_calls": list(calls)}
+
+
+def step(env: SearchR1Env, message: dict) -> EnvStep:
+    return asyncio.run(env.step(message))
+
+
+def fake_passages(query: str, topk: int = 3) -> str:
+    return "\n".join(f"Doc {i + 1}(Title: Title {query}) Passage {i} about {query}." for i in range(topk))
+
+
+def test_the_only_tool_is_search_with_one_required_string_query():
+    env = SearchR1Env()
+
+    assert isinstance(env, MessageEnv)
+    assert env.tools == [SEARCH_TOOL]
+    function = SEARCH_TOOL["function"]
+    assert SEARCH_TOOL["type"] == "function" and function["name"] == "search"
+    assert "Wikipedia" in function["description"] and "passages" in function["description"]
+    assert function["parameters"] == {
+        "type": "object",
+        "properties": {"query": {"type": "string", "description": "The natural-language search query."}},
+        "required": ["query"],
+    }
+
+
+def test_initial_messages_are_the_instruction_then_the_question_as_one_user_message():
+    assert SearchR1Env().initial_messages(SAMPLE) == [
+        {"role": "user", "content": f"{INSTRUCTION}\n\nQuestion: Where is the Eiffel Tower?"}
+    ]
+    assert "search" in INSTRUCTION and "only the answer" in INSTRUCTION and "Beijing" in INSTRUCTION
+
+
+def test_the_chat_template_renders_the_tool_and_the_question(tokenizer):
+    env = SearchR1Env()
+    messages = env.initial_messages(SAMPLE)
+
+    prompt = tokenizer.apply_chat_template(messages, tools=env.tools, add_generation_prompt=True, tokenize=False)
+
+    assert json.dumps(SEARCH_TOOL) in prompt
+    assert prompt.index(json.dumps(SEARCH_TOOL)) < prompt.index("<|im_start|>user\n" + INSTRUCTION)
+    assert prompt.endswith("Question: Where is the Eiffel Tower?<|im_end|>\n<|im_start|>assistant\n")
+    with_switch = tokenizer.apply_chat_template(
+        messages, tools=env.tools, add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    assert with_switch == prompt  # templates without a thinking mode ignore the switch
+
+
+def test_the_chat_template_renders_tool_calls_and_search_results(tokenizer):
+    messages = [
+        *SearchR1Env().initial_messages(SAMPLE),
+        assistant(search_call({"query": "Eiffel Tower"})),
+        {"role": "tool", "name": "search", "content": "Doc 1(Title: Eiffel Tower) A tower in Paris."},
+    ]
+
+    prompt = tokenizer.apply_chat_template(messages, tools=[SEARCH_TOOL], add_generation_prompt=True, tokenize=False)
+
+    assert '<tool_call>\n{"name": "search", "arguments": {"query": "Eiffel Tower"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nDoc 1(Title: Eiffel Tower) A tower in Paris.\n</tool_response>" in prompt
+
+
+def test_passages_are_formatted_one_doc_per_line_with_their_title():
+    docs = [{"contents": "Eiffel Tower\nA tower in Paris."}, {"contents": "Paris\nCapital of France.\nOn the Seine."}]
+
+    assert _passages_to_string(docs) == (
+        "Doc 1(Title: Eiffel Tower) A tower in Paris.\nDoc 2(Title: Paris) Capital of France.\nOn the Seine."
+    )
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "assistant", "content": "Paris"},
+    {"role": "assistant", "content": "Paris", "tool_calls": []},
+], ids=["no tool_calls", "empty tool_calls"])
+def test_a_turn_without_tool_calls_is_done(message):
+    assert step(SearchR1Env(), message) == EnvStep(messages=[], done=True)
+
+
+def test_a_search_call_gets_one_tool_message_with_the_passages(fake_retriever):
+    env = env_for(fake_retriever.url)
+
+    result = step(env, assistant(search_call({"query": "Eiffel Tower"})))
+
+    assert result == EnvStep(
+        messages=[{"role": "tool", "name": "search", "content": fake_passages("Eiffel Tower")}], done=False
+    )
+    assert fake_retriever.requests == [{"queries": ["Eiffel Tower"], "topk": 3, "return_scores": False}]
+
+
+def test_arguments_as_a_json_string_work_like_a_dict(fake_retriever):
+    env = env_for(fake_retriever.url, topk=1)
+
+    result = step(env, assistant(search_call('{"query": "Eiffel Tower"}')))
+
+    assert result.messages[0]["content"] == "Doc 1(Title: Title Eiffel Tower) Passage 0 about Eiffel Tower."
+
+
+def test_the_tool_call_id_is_echoed_when_the_call_has_one(fake_retriever):
+    call = {"id": "call_7", **search_call({"query": "x"})}
+
+    assert step(env_for(fake_retriever.url), assistant(call)).messages[0]["tool_call_id"] == "call_7"
+
+
+@pytest.mark.parametrize(
+    "arguments", ['{"query', "", {}, {"query": "   "}, {"query": 42}, '["Eiffel Tower"]', None],
+    ids=["unparseable", "empty string", "no query", "blank query", "not a string", "not an object", "none"],
+)
+def test_a_call_without_a_usable_query_sends_nothing_and_says_so(fake_retriever, arguments):
+    env = env_for(fake_retriever.url)
+
+    result = step(env, assistant(search_call(arguments)))
+
+    assert result == EnvStep(messages=[{"role": "tool", "name": "search", "content": EMPTY_QUERY_MESSAGE}], done=False)
+    assert fake_retriever.requests == []
+    assert env.metrics()["search/empty_queries"] == 1
+
+
+def test_an_unknown_tool_is_answered_and_counted(fake_retriever):
+    env = env_for(fake_retriever.url)
+
+    result = step(env, assistant(search_call({"query": "x"}, name="browse")))
+
+    assert result.messages == [
+        {"role": "tool", "name": "browse", "content": 'Error: unknown tool \'browse\'; the only tool is "search".'}
+    ]
+    assert fake_retriever.requests == []
+    assert env.metrics()["search/unknown_tool_calls"] == 1
+
+
+def test_the_calls_of_a_turn_run_concurrently_as_one_batched_request(fake_retriever):
+    env = env_for(fake_retriever.url, topk=2)
+
+    result = step(env, assistant(search_call({"query": "Eiffel Tower"}), search_call('{"query": "Louvre"}')))
+
+    assert fake_retriever.requests == [{"queries": ["Eiffel Tower", "Louvre"], "topk": 2, "return_scores": False}]
+    assert [m["content"] for m in result.messages] == [fake_passages("Eiffel Tower", 2), fake_passages("Louvre", 2)]
+    assert env.metrics() == {
+        "search/searches": 2, "search/requests": 1, "search/failures": 0,
+        "search/request_latency_s": pytest.approx(0.0, abs=1.0),
+        "search/empty_queries": 0, "search/unknown_tool_calls": 0,
+    }
+
+
+def test_concurrent_rollouts_share_one_request_and_identical_queries_are_sent_once(fake_retriever):
+    env = env_for(fake_retriever.url)
+
+    async def three_rollouts():
+        return await asyncio.gather(
+            env.step(assistant(search_call({"query": "Eiffel Tower"}))),
+            env.step(assistant(search_call({"query": "Eiffel Tower"}))),
+            env.step(assistant(search_call({"query": "Louvre"}))),
+        )
+
+    results = asyncio.run(three_rollouts())
+
+    assert [r.messages[0]["content"] for r in results] == [
+        fake_passages("Eiffel Tower"), fake_passages("Eiffel Tower"), fake_passages("Louvre")
+    ]
+    assert fake_retriever.requests == [{"queries": ["Eiffel Tower", "Louvre"], "topk": 3, "return_scores": False}]
+    assert env.metrics()["search/searches"] == 3
+
+
+def test_searches_of_different_instants_are_separate_requests(fake_retriever):
+    env = env_for(fake_retriever.url)
+
+    async def two_turns():
+        await env.step(assistant(search_call({"query": "a"})))
+        await env.step(assistant(search_call({"query": "b"})))
+
+    asyncio.run(two_turns())
+
+    assert [r["queries"] for r in fake_retriever.requests] == [["a"], ["b"]]
+
+
+def test_the_client_keeps_working_across_event_loops(fake_retriever):
+    env = env_for(fake_retriever.url, topk=1)
+
+    first = step(env, assistant(search_call({"query": "a"})))
+    second = step(env, assistant(search_call({"query": "b"})))
+
+    assert first.messages[0]["content"] == fake_passages("a", 1)
+    assert second.messages[0]["content"] == fake_passages("b", 1)
+
+
+def test_a_failed_request_is_retried(fake_retriever):
+    fake_retriever.script = ["500", "garbage"]
+    env = env_for(fake_retriever.url, max_retries=2)
+
+    result = step(env, assistant(search_call({"query": "Eiffel Tower"})))
+
+    assert result.messages[0]["content"] == fake_passages("Eiffel Tower")
+    assert len(fake_retriever.requests) == 3
+    metrics = env.metrics()
+    assert (metrics["search/requests"], metrics["search/failures"]) == (3, 0)
+
+
+@pytest.mark.parametrize("fault", ["500", "garbage", "wrong shape"])
+def test_a_search_that_keeps_failing_gets_an_empty_result_and_is_counted_and_logged(fake_retriever, caplog, fault):
+    fake_retriever.script = [fault] * 3
+    env = env_for(fake_retriever.url, max_retries=2)
+
+    with caplog.at_level(logging.WARNING, logger="searchr1_trl.env"):
+        result = step(env, assistant(search_call({"query": "a"}), search_call({"query": "b"})))
+
+    assert [m["content"] for m in result.messages] == ["", ""]
+    assert len(fake_retriever.requests) == 3
+    metrics = env.metrics()
+    assert (metrics["search/searches"], metrics["search/requests"], metrics["search/failures"]) == (2, 3, 2)
+    assert "retrieval of 2 queries from " + fake_retriever.url + " failed after 3 attempt(s)" in caplog.text
+
+
+def test_a_request_that_times_out_gets_an_empty_result(fake_retriever):
+    fake_retriever.script = ["slow", "slow"]
+    env = env_for(fake_retriever.url, timeout_s=0.2, max_retries=1)
+
+    started = time.monotonic()
+    result = step(env, assistant(search_call({"query": "a"})))
+
+    assert result.messages[0]["content"] == ""
+    assert time.monotonic() - started < 1.0
+    assert len(fake_retriever.requests) == 2
+    assert env.metrics()["search/failures"] == 1
+
+
+def test_a_rejected_request_is_not_retried(fake_retriever):
+    fake_retriever.script = ["400"]
+    env = env_for(fake_retriever.url, max_retries=2)
+
+    assert step(env, assistant(search_call({"query": "a"}))).messages[0]["content"] == ""
+    assert len(fake_retriever.requests) == 1
+
+
+def test_an_unreachable_server_gives_empty_results():
+    env = env_for(f"http://127.0.0.1:{free_port()}/retrieve", max_retries=1)
+
+    result = step(env, assistant(search_call({"query": "a"})))
+
+    assert result.messages[0]["content"] == ""
+    metrics = env.metrics()
+    assert (metrics["search/requests"], metrics["search/failures"]) == (2, 1)
+
+
+def test_metrics_reset_on_read(fake_retriever):
+    env = env_for(fake_retriever.url)
+    step(env, assistant(search_call({"query": "a"})))
+
+    assert env.metrics()["search/searches"] == 1
+    assert env.metrics()["search/searches"] == 0
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    ({"search_url": "127.0.0.1:8000/retrieve"}, "search_url must be an http(s) URL"),
+    ({"topk": 0}, "expected topk >= 1"),
+    ({"max_retries": -1}, "max_retries=-1"),
+])
+def test_a_bad_config_is_refused_when_built(overrides, problem):
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        RetrievalClient(SearchR1EnvConfig(**overrides))
+
+
+@pytest.mark.slow  # the session's retriever_url fixture embeds and indexes the test corpus first
+def test_the_real_retrieval_server_returns_formatted_passages(retriever_url):
+    env = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url))
+
+    result = step(env, assistant(
+        search_call({"query": "Super Bowl 50 AFC champion team"}), search_call('{"query": "Super Bowl 50 venue"}')
+    ))
+
+    assert len(result.messages) == 2
+    for message in result.messages:
+        lines = message["content"].split("\n")
+        assert [line[:13] for line in lines[:1]] == ["Doc 1(Title: "]
+        assert sum(line.startswith("Doc ") for line in lines) == 3
+        assert "Super Bowl 50" in message["content"]
+    metrics = env.metrics()
+    assert (metrics["search/searches"], metrics["search/requests"], metrics["search/failures"]) == (2, 1, 0)
