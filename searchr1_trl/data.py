@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import numpy as np
 import pandas as pd
 
@@ -115,9 +116,7 @@ class SearchR1Dataset(Iterator[SearchR1Sample]):
         """The local parquet: ``data_path`` as given, else the Hub file (downloaded once, then from the cache)."""
         if self.config.data_path is not None:
             return self.config.data_path
-        from huggingface_hub import hf_hub_download
-
-        return hf_hub_download(self.config.repo_id, self.config.filename, repo_type="dataset")
+        return huggingface_hub.hf_hub_download(self.config.repo_id, self.config.filename, repo_type="dataset")
 
     def _draw_order(self, rng: np.random.Generator) -> list[int]:
         """The row order of the epoch about to start; draws from ``rng`` only when shuffling."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 
+import huggingface_hub
 import numpy as np
 import pandas as pd
 import pytest
@@ -73,8 +74,6 @@ def test_data_source_keeps_only_matching_rows(ten_questions):
 
 
 def test_without_data_path_the_file_comes_from_the_hub_dataset(ten_questions, monkeypatch):
-    import huggingface_hub
-
     calls = []
     monkeypatch.setattr(
         huggingface_hub, "hf_hub_download", lambda *args, **kwargs: calls.append((args, kwargs)) or ten_questions
