@@ -77,7 +77,10 @@ def load_samples(path: str, data_source: str | None = None) -> list[SearchR1Samp
     """Every row of the parquet at ``path`` (only those of ``data_source`` when given), in file order."""
     if not Path(path).is_file():
         raise ValueError(f"{path}: no such file (expected a parquet with columns {', '.join(REQUIRED_COLUMNS)})")
-    frame = pd.read_parquet(path)
+    try:
+        frame = pd.read_parquet(path)
+    except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+        raise ValueError(f"{path}: not a readable parquet file: {error}") from error
     missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
     if missing:
         raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; found {', '.join(map(str, frame.columns))}")

@@ -165,6 +165,14 @@ def test_missing_file_names_the_file(tmp_path):
         stream(str(tmp_path / "nope.parquet"))
 
 
+def test_a_file_that_is_not_parquet_names_the_file(tmp_path):
+    path = tmp_path / "questions.jsonl"
+    path.write_text('{"question": "q", "golden_answers": ["a"]}\n')
+
+    with pytest.raises(ValueError, match=r"questions\.jsonl: not a readable parquet file"):
+        stream(str(path))
+
+
 def test_missing_columns_are_named(tmp_path):
     path = write_parquet(tmp_path / "bad.parquet", [{"query": "q", "answer": "a"}])
 
