@@ -1,0 +1,81 @@
+"""Offline assets: built once, recognised afterwards, and refused with a clear message when an input is corrupt."""
+
+import shutil
+import zipfile
+from dataclasses import replace
+
+import pandas as pd
+import pytest
+
+from searchr1_trl.assets import WIKI_LEADS, AssetError, cache_dir, prepare, verified_member
+
+
+def test_prepare_twice_is_a_no_op(offline_assets, caplog):
+    caplog.set_level("INFO")
+    assert prepare() == offline_assets
+    assert "model ready" in caplog.text and "data ready" in caplog.text and "embedder ready" in caplog.text
+    assert "dequantizing" not in caplog.text and "downloading" not in caplog.text
+
+
+def test_prepared_model_is_a_plain_checkpoint_with_the_chat_eos(offline_assets, tokenizer):
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(offline_assets.model) / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.model_max_length == 32768
+    assert "<tool_call>" in tokenizer.chat_template
+
+
+def test_questions_follow_the_search_r1_schema(offline_assets):
+    train = pd.read_parquet(offline_assets.train_questions)
+    test = pd.read_parquet(offline_assets.test_questions)
+    assert (len(train), len(test)) == (87599, 10570)
+    for frame in (train, test):
+        assert {"question", "golden_answers", "data_source"} <= set(frame.columns)
+        assert set(frame["data_source"]) == {"squad"}
+        assert all(len(answers) >= 1 and all(isinstance(a, str) for a in answers) for answers in frame["golden_answers"])
+
+
+def test_corpus_is_wiki18_jsonl_with_every_squad_paragraph(offline_assets):
+    import json
+
+    with open(offline_assets.corpus) as f:
+        rows = [json.loads(line) for line in f]
+    assert all(set(row) == {"id", "contents"} and "\n" in row["contents"] for row in rows)
+    assert len({row["contents"] for row in rows}) == len(rows)
+    # 20,958 unique SQuAD train+dev paragraphs, then Wikipedia leads as distractors.
+    assert len(rows) > 20958 + 5000
+    assert rows[0]["contents"].startswith("University of Notre Dame\n")
+
+
+def _wheel_copy(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (source,) = (cache_dir() / "wheels").glob(WIKI_LEADS.wheel_glob)
+    return wheels, shutil.copy(source, wheels / source.name)
+
+
+def test_a_corrupt_input_names_the_file_and_the_expected_checksum(tmp_path):
+    wheels, wheel = _wheel_copy(tmp_path)
+    with zipfile.ZipFile(wheel) as zf:
+        members = {name: zf.read(name) for name in zf.namelist()}
+    members[WIKI_LEADS.member] = members[WIKI_LEADS.member][:-10] + b"corrupted!"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    with pytest.raises(AssetError, match=rf"{WIKI_LEADS.member} is corrupt: .*expected {WIKI_LEADS.sha256}"):
+        verified_member(WIKI_LEADS, wheels, download=False)
+
+
+def test_a_missing_input_names_the_file_and_the_expected_checksum(tmp_path):
+    wheels, _ = _wheel_copy(tmp_path)
+    missing = replace(WIKI_LEADS, version="9.9.9")
+    with pytest.raises(AssetError, match=rf"missing wheel .*9\.9\.9.*sha256 {WIKI_LEADS.sha256}"):
+        verified_member(missing, wheels, download=False)
+
+
+def test_an_intact_input_verifies(tmp_path):
+    wheels, wheel = _wheel_copy(tmp_path)
+    assert verified_member(WIKI_LEADS, wheels, download=False) == (wheel, WIKI_LEADS.member)

@@ -1,0 +1,23 @@
+"""The generator: a real `trl vllm-serve` on CPU loads the offline model and generates from token ids."""
+
+import httpx
+
+
+def test_server_generates_from_token_ids_with_logprobs(vllm_server, tokenizer, offline_assets):
+    prompt_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France? Answer with one word."}],
+        add_generation_prompt=True, tokenize=True, return_dict=True,
+    )["input_ids"]
+    response = httpx.post(
+        f"{vllm_server.base_url}/v1/completions",
+        json={"model": offline_assets.model, "prompt": prompt_ids, "max_tokens": 16, "temperature": 0.0,
+              "logprobs": 0, "return_token_ids": True},
+        timeout=300,
+    )
+    response.raise_for_status()
+    choice = response.json()["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids
+    assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) > 0
+    assert all(lp <= 0.0 for lp in choice["logprobs"]["token_logprobs"])
+    assert "paris" in tokenizer.decode(choice["token_ids"]).lower()
+    assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == tokenizer.eos_token_id
