@@ -1,0 +1,80 @@
+"""Checks a recipe's plan before anything heavy starts, so a bad plan fails in one line that says what to change.
+
+Checked: required fields, the generator's tensor parallel size against the model's KV heads (vLLM shards KV heads,
+so TP must divide them), local files, and (optionally) that the retrieval and generator servers
+answer. KV head counts come from the model's config when it can be read (local folder or Hub cache), else from the
+published numbers below, so recipes validate offline.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+
+# Published architecture numbers of the recipe models (config.json on the Hub); the 2-KV-head 30B dense model is
+# the seed's "Muse Glimmer 30B".
+PUBLISHED_KV_HEADS = {
+    "Qwen/Qwen3-1.7B": 8,
+    "Qwen/Qwen3-8B": 8,
+    "Qwen/Qwen3-30B-A3B": 4,
+    "meta-models/Muse-Glimmer-30B": 2,
+}
+
+
+class PlanError(ValueError):
+    """A recipe that cannot run as configured; the message says what to change."""
+
+
+def kv_heads(model_name_or_path: str) -> int:
+    """The model's number of key/value heads."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_name_or_path, local_files_only=not Path(model_name_or_path).exists()
+                                            and os.environ.get("HF_HUB_OFFLINE") == "1")
+        config = getattr(config, "text_config", config)
+        return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    except (OSError, ValueError):
+        if model_name_or_path in PUBLISHED_KV_HEADS:
+            return PUBLISHED_KV_HEADS[model_name_or_path]
+        raise PlanError(f"cannot read the config of model {model_name_or_path!r}: download it first "
+                        f"(scripts/download_hf_assets.py) or check the name") from None
+
+
+def _server_answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=3.0).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
+def validate_plan(args, model_args, check_servers: bool = False) -> None:
+    """Raise :class:`PlanError` naming the first problem in the recipe."""
+    model = model_args.model_name_or_path
+    if not model:
+        raise PlanError("model_name_or_path is not set: name a Hub model or a local folder in the recipe")
+    for name in ("train_data_path", "eval_data_path"):
+        path = getattr(args, name)
+        if path and not Path(path).exists():
+            raise PlanError(f"{name}={path} does not exist: prepare it (searchr1-assets) or fix the path")
+    tp = args.vllm_tensor_parallel_size
+    heads = kv_heads(model)
+    if tp > heads or heads % tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise PlanError(f"vllm_tensor_parallel_size={tp} does not divide the {heads} KV heads of {model}: "
+                        f"use one of {divisors}")
+    if args.weight_sync == "nccl" and args.generator == "vllm":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise PlanError("weight_sync=nccl needs CUDA: use weight_sync=reload on this machine")
+    if check_servers:
+        search_base = args.search_url.rsplit("/", 1)[0]
+        if not _server_answers(f"{search_base}/health"):
+            raise PlanError(f"retrieval server not reachable at {search_base}/health: start `searchr1-retriever` "
+                            "or fix search_url")
+        if args.generator == "vllm" and not _server_answers(f"{args.generator_url}/health"):
+            raise PlanError(f"vLLM server not reachable at {args.generator_url}/health: start `trl vllm-serve` "
+                            "or fix vllm_server_base_url")
