@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     trainer = SearchR1Trainer(model=model_args.model_name_or_path, args=args, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if trainer.eval_samples:
+        trainer.evaluate()  # the final EM, also recorded in the model card
+    trainer.save_state()
     trainer.save_model(args.output_dir)
     if args.push_to_hub:
         trainer.push_to_hub()

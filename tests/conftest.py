@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from retriever_server.launch import RetrieverProcess
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -119,17 +121,6 @@ def retriever_url(offline_assets, squad_dev_sample, tmp_path_factory):
          "--retriever_model", offline_assets.embedder, "--index_path", str(index)],
         check=True,
     )
-    port = free_port()
-    log = work / "server.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "retriever_server.server", "--index_path", str(index), "--corpus_path",
-             str(corpus), "--retriever_model", offline_assets.embedder, "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT,
-        )
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", process, 300, log)
-        yield f"http://127.0.0.1:{port}/retrieve"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    with RetrieverProcess(index_path=str(index), corpus_path=str(corpus), retriever_model=offline_assets.embedder,
+                          port=free_port(), log_file=str(work / "server.log")) as server:
+        yield server.url
