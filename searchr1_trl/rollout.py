@@ -1,14 +1,47 @@
-"""Generic multi-turn rollout machinery: statuses, the environment interface, and (to come) the engine.
+"""Generic multi-turn rollout machinery: the loop, budgets and tokens that every tool-calling task shares.
 
-Only the contract types a task needs are defined here so far (see docs/rollout_contract.md); the engine that
-owns the loop, budgets and tokens is added by the rollout-engine work of issue 3.
+A task supplies a :class:`MessageEnv` (initial messages, tools, and a ``step`` that answers an assistant message); the
+:class:`RolloutEngine` owns everything else. One turn: generate from token ids -> parse the assistant message with the
+tokenizer's response parser -> ``env.step`` -> append the environment's messages as tokens -> next turn.
+
+Token-in/token-out. A rollout's sequence is ``prompt_ids`` followed by ``completion_ids``: the model's generated ids,
+exactly as returned, interleaved with the environment's messages rendered as tokens. Earlier turns are never
+re-tokenized, so the sequence is exactly what the model saw in its last turn (plus that turn's output). An
+environment suffix is the chat template's rendering of the conversation with the new environment messages and the
+next generation prompt, minus its rendering without them, cut just after the token that ended the model's turn: the
+template glue after the model's end-of-turn token (Qwen's "\n" after ``<|im_end|>``), the tool-turn wrappers and the
+next assistant header are environment tokens (``env_mask`` 0), the model's own end-of-turn token is a model token
+(``env_mask`` 1). Templates that do not render earlier messages identically when messages follow (Qwen3 drops old
+reasoning) are replaced by TRL's prefix-preserving training template, as ``GRPOTrainer`` does.
+
+Budgets, checked in this order every turn, decide how a rollout ends (:class:`RolloutStatus`):
+
+- a turn used all its ``max_tokens`` (``finish_reason == "length"``) -> ``TRUNCATED_LENGTH``; a turn's ``max_tokens``
+  is also capped so prompt + completion never exceed ``max_rollout_tokens``;
+- the assistant message cannot be parsed (malformed tool-call JSON) -> ``ERROR_PARSE``;
+- ``env.step`` takes longer than ``step_timeout_s`` -> ``ERROR_TIMEOUT``;
+- the environment is done -> ``DONE``;
+- it wants another turn but ``max_turns`` turns were generated -> ``TRUNCATED_MAX_TURNS``;
+- the next prompt would leave no room for a generated token within ``max_rollout_tokens`` ->
+  ``TRUNCATED_PROMPT_TOO_LONG`` (also when the initial prompt alone is that long).
+
+``Rollout.messages`` mirrors the tokens: environment messages are recorded only once they are part of the sequence,
+so those of a step after which the rollout was cut are dropped. An assistant turn that was cut by its length or could
+not be parsed is recorded as its decoded text, without tool calls.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
-from dataclasses import dataclass
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from searchr1_trl.generation import Generation, Generator, SamplingParams
 
 
 class RolloutStatus(str, enum.Enum):
@@ -59,3 +92,275 @@ class MessageEnv(abc.ABC):
     def metrics(self) -> dict[str, float]:
         """Counters since the last call, reset on read."""
         return {}
+
+
+@dataclass
+class RolloutConfig:
+    """Budgets of one rollout (see the module docstring for how each ends it)."""
+
+    max_turns: int = field(default=4, metadata={"help": "Assistant turns per rollout."})
+    max_rollout_tokens: int = field(
+        default=3072,
+        metadata={"help": "Prompt + completion tokens of a rollout; a next prompt beyond it is a truncation."},
+    )
+    step_timeout_s: float = field(
+        default=240.0,
+        metadata={
+            "help": "Time budget of one environment step, in seconds. Keep it above the environment's own worst case "
+            "(Search-R1's retrieval gives up after timeout_s 60 x (1 + max_retries 2) + backoff 1.5 = 181.5 s and "
+            "answers with empty results), so a dead tool degrades the answer instead of ending rollouts as errors."
+        },
+    )
+    enable_thinking: bool = field(
+        default=False, metadata={"help": "Passed to chat templates that accept it (Qwen3); others ignore it."}
+    )
+
+    def __post_init__(self):
+        if self.max_turns < 1 or self.max_rollout_tokens < 2 or self.step_timeout_s <= 0:
+            raise ValueError(
+                f"expected max_turns >= 1, max_rollout_tokens >= 2 and step_timeout_s > 0, got {self.max_turns}, "
+                f"{self.max_rollout_tokens}, {self.step_timeout_s}"
+            )
+
+
+@dataclass
+class Rollout:
+    """One finished rollout: the conversation, its tokens and how it ended."""
+
+    sample: Any  # what the dataset yielded (has .golden_answers etc.)
+    messages: list[dict]  # initial messages + every assistant and environment message, in order
+    prompt_ids: list[int]  # the rendered initial prompt
+    completion_ids: list[int]  # everything after the prompt: model turns and env tokens, exactly as the model saw them
+    env_mask: list[int]  # 1 on model-generated tokens (incl. their end-of-turn token), 0 on env/template tokens
+    logprobs: list[float]  # aligned with completion_ids; generator's logprob on mask-1 tokens, 0.0 elsewhere
+    status: RolloutStatus
+    num_turns: int  # assistant turns generated
+    num_tool_calls: int
+    timings: dict[str, float]  # {"generate_s", "env_s", "total_s"}
+
+
+class RolloutEngine:
+    """Runs a :class:`MessageEnv` against a :class:`Generator`, many rollouts at once; see the module docstring."""
+
+    def __init__(self, tokenizer, generator: Generator, env: MessageEnv, config: RolloutConfig | None = None):
+        self.tokenizer = tokenizer
+        self.generator = generator
+        self.env = env
+        self.config = config or RolloutConfig()
+        self._chat_template = _prefix_preserving_chat_template(tokenizer)
+        self._parse = _response_parser(tokenizer, env.tools)
+
+    async def run(self, samples: list, params: SamplingParams) -> list[Rollout]:
+        """Roll out every sample concurrently; results in input order.
+
+        Each rollout is its own task, so one waiting on its environment never holds back the others' generation.
+        """
+        tasks = [asyncio.ensure_future(self.rollout(sample, params)) for sample in samples]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:  # after a failure, stop the rollouts still running rather than leaking them
+                task.cancel()
+
+    async def rollout(self, sample, params: SamplingParams) -> Rollout:
+        """Roll out one sample until the environment is done or a budget ends it."""
+        started = time.perf_counter()
+        timings = {"generate_s": 0.0, "env_s": 0.0}
+        messages = list(self.env.initial_messages(sample))
+        prompt_ids = self._render(messages, add_generation_prompt=True)
+        completion_ids: list[int] = []
+        env_mask: list[int] = []
+        logprobs: list[float] = []
+        num_turns = 0
+        status = RolloutStatus.TRUNCATED_PROMPT_TOO_LONG if not self._room(prompt_ids) else None
+        while status is None:
+            sequence = prompt_ids + completion_ids
+            clock = time.perf_counter()
+            turn = params.with_max_tokens(min(params.max_tokens, self._room(sequence)))
+            generation = await self.generator.generate(sequence, turn)
+            timings["generate_s"] += time.perf_counter() - clock
+            _check_generation(generation)
+            num_turns += 1
+            completion_ids += generation.token_ids
+            env_mask += [1] * len(generation.token_ids)
+            logprobs += generation.logprobs
+
+            message = None if generation.finish_reason == "length" else self._parse(generation.token_ids, sequence)
+            if message is None:
+                messages.append({"role": "assistant", "content": self._decode(generation.token_ids)})
+                status = RolloutStatus.TRUNCATED_LENGTH if generation.finish_reason == "length" else RolloutStatus.ERROR_PARSE
+                break
+            messages.append(message)
+
+            clock = time.perf_counter()
+            try:
+                step = await asyncio.wait_for(self.env.step(message), self.config.step_timeout_s)
+            except asyncio.TimeoutError:
+                status = RolloutStatus.ERROR_TIMEOUT
+                break
+            finally:
+                timings["env_s"] += time.perf_counter() - clock
+            if step.done:
+                status = RolloutStatus.DONE
+            elif num_turns >= self.config.max_turns:
+                status = RolloutStatus.TRUNCATED_MAX_TURNS
+            else:
+                suffix = self._env_suffix(messages, step.messages, generation.token_ids)
+                if not self._room(prompt_ids + completion_ids + suffix):
+                    status = RolloutStatus.TRUNCATED_PROMPT_TOO_LONG
+                else:
+                    messages += step.messages
+                    completion_ids += suffix
+                    env_mask += [0] * len(suffix)
+                    logprobs += [0.0] * len(suffix)
+
+        timings["total_s"] = time.perf_counter() - started
+        return Rollout(
+            sample=sample, messages=messages, prompt_ids=prompt_ids, completion_ids=completion_ids, env_mask=env_mask,
+            logprobs=logprobs, status=status, num_turns=num_turns,
+            num_tool_calls=sum(len(m.get("tool_calls") or []) for m in messages if m["role"] == "assistant"),
+            timings=timings,
+        )
+
+    def _room(self, sequence: list[int]) -> int:
+        """How many tokens may still be generated after ``sequence``; 0 means the prompt is too long."""
+        return max(0, self.config.max_rollout_tokens - len(sequence))
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Token ids of ``messages`` under the chat template, with the env's tools and the thinking switch."""
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages, tools=self.env.tools or None, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False, chat_template=self._chat_template, enable_thinking=self.config.enable_thinking,
+            )
+        )
+
+    def _env_suffix(self, messages: list[dict], env_messages: list[dict], generated_ids: list[int]) -> list[int]:
+        """Tokens to append after the model's turn: template glue, ``env_messages`` and the next generation prompt.
+
+        The cut is just after the token that ended the model's turn in the template's rendering (Qwen:
+        ``...<|im_end|>`` | ``\n<|im_start|>user\n<tool_response>...<|im_start|>assistant\n``). If the model
+        stopped on a token the template does not end turns with, the template's own end-of-turn token is appended as
+        glue, so the next turn still sees a well-formed conversation.
+        """
+        before = self._render(messages, add_generation_prompt=False)
+        after = self._render(messages + env_messages, add_generation_prompt=True)
+        stop = generated_ids[-1]
+        if stop in before:
+            cut = len(before) - before[::-1].index(stop)
+        elif self.tokenizer.eos_token_id in before:
+            cut = len(before) - 1 - before[::-1].index(self.tokenizer.eos_token_id)
+        else:
+            raise ValueError(
+                f"cannot find the end of the assistant turn: neither the model's stop token {stop} nor the "
+                f"tokenizer's eos token {self.tokenizer.eos_token_id} appears in the rendered conversation"
+            )
+        if after[:cut] != before[:cut]:
+            raise ValueError(
+                "the chat template renders the conversation differently once environment messages follow, so the "
+                "environment's tokens cannot be appended without re-tokenizing earlier turns"
+            )
+        return after[cut:]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _check_generation(generation: Generation) -> None:
+    """ValueError unless the generator kept its contract (the engine's alignment depends on it)."""
+    if not generation.token_ids or len(generation.logprobs) != len(generation.token_ids):
+        raise ValueError(
+            f"a generator must return at least one token and one logprob per token, got "
+            f"{len(generation.token_ids)} tokens and {len(generation.logprobs)} logprobs"
+        )
+
+
+def _prefix_preserving_chat_template(tokenizer) -> str | None:
+    """None to use the tokenizer's chat template, or TRL's training variant when that one is not prefix-preserving."""
+    # Imported here: every task module imports this file's contract types, and TRL takes seconds to import.
+    from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+    if is_chat_template_prefix_preserving(tokenizer):
+        return None
+    return get_training_chat_template(tokenizer)
+
+
+def _response_parser(tokenizer, tools: list[dict]):
+    """``parse(generated_ids, prefix_ids) -> assistant message | None`` (None: the response cannot be parsed).
+
+    Uses the tokenizer's response parser, with TRL's response template for chat templates it knows (Qwen2.5/3,
+    Llama 3, ...); chat templates neither knows get :func:`_parse_tool_call_blocks` on the decoded text.
+    """
+    from trl.chat_template_utils import add_response_schema
+
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        try:
+            add_response_schema(tokenizer)  # sets it on the tokenizer in place, as GRPOTrainer does
+        except ValueError:
+            return lambda ids, prefix: _parse_tool_call_blocks(tokenizer.decode(ids, skip_special_tokens=True))
+
+    def parse(ids: list[int], prefix: list[int]) -> dict | None:
+        if ids and ids[-1] != tokenizer.eos_token_id and ids[-1] in tokenizer.all_special_ids:
+            ids = ids[:-1]  # another stop token (Qwen's <|endoftext|>): the parser would keep it as content
+        try:
+            parsed = tokenizer.parse_response(ids, prefix=prefix, tools=tools or None)
+        except ValueError:  # the parser's way of saying a tool call is not valid JSON
+            return None
+        return _assistant_message(parsed)
+
+    return parse
+
+
+def _assistant_message(parsed: Any) -> dict | None:
+    """The parser's output as the contract's assistant message; None if a tool call lacks a name or arguments.
+
+    ``{"content": "Paris"}`` -> ``{"role": "assistant", "content": "Paris"}``;
+    ``{"tool_calls": [{"type": "function", "function": ["a"]}]}`` -> None.
+    """
+    if not isinstance(parsed, dict):
+        return None
+    calls = parsed.get("tool_calls") or []
+    well_formed = isinstance(calls, list) and all(
+        isinstance(call, dict)
+        and isinstance(call.get("function"), dict)
+        and isinstance(call["function"].get("name"), str)
+        and isinstance(call["function"].get("arguments", {}), (dict, str))
+        for call in calls
+    )
+    if not well_formed:
+        return None
+    message = {"role": "assistant", "content": (parsed.get("content") or "").strip()}
+    if parsed.get("reasoning_content"):
+        message["reasoning_content"] = parsed["reasoning_content"]
+    if calls:
+        message["tool_calls"] = [
+            {"type": "function", "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})}}
+            for c in calls
+        ]
+    return message
+
+
+_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def _parse_tool_call_blocks(text: str) -> dict | None:
+    """Hermes-style ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks, for templates TRL doesn't know.
+
+    ``'Hi<tool_call>{"name": "f", "arguments": {}}</tool_call>'`` -> content ``"Hi"`` and one call of ``f``;
+    an unclosed ``<tool_call>`` or a block that is not a JSON object -> None.
+    """
+    text = _THINK.sub("", text)
+    blocks = _TOOL_CALL.findall(text)
+    if len(blocks) != text.count("<tool_call>"):
+        return None
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict):
+            return None
+        calls.append({"type": "function", "function": {"name": call.get("name"), "arguments": call.get("arguments", {})}})
+    return _assistant_message({"content": text.split("<tool_call>", 1)[0], "tool_calls": calls})

@@ -1,0 +1,275 @@
+"""Generator backends: token ids in; generated token ids, their logprobs and a finish reason out.
+
+The rollout engine only ever talks to :class:`Generator`, so a backend is chosen by configuration, not by code:
+
+- :class:`VLLMServerGenerator` (the main path) posts token-id prompts to a ``trl vllm-serve`` / ``vllm serve``
+  OpenAI-compatible server. Every call is its own HTTP request, so as many requests are in flight as rollouts are
+  waiting for a turn and vLLM's continuous batching packs them together.
+- :class:`TransformersGenerator` runs the model in-process: the calls issued in the same event-loop instant become
+  one left-padded ``model.generate`` run in a worker thread (for GPUs without vLLM and small runs).
+
+Both backends sample exactly the distribution :class:`SamplingParams` describes: model-specific defaults (a
+``generation_config.json`` with ``top_k``, ``repetition_penalty``, ...) are overridden, because an RL loss needs the
+logprobs of the distribution the tokens were actually drawn from. Logprobs are "processed" ones, i.e. after
+temperature and top-p, which is what ``trl vllm-serve`` returns (it starts vLLM with
+``--logprobs-mode processed_logprobs``). ``temperature == 0`` means greedy decoding with raw logprobs.
+
+A generation ends with ``finish_reason`` ``"stop"`` (the model emitted an end-of-sequence token, which is kept as the
+last generated id) or ``"length"`` (it used all ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from dataclasses import dataclass, replace
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one turn is sampled."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 512
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
+            raise ValueError(f"expected temperature >= 0, 0 < top_p <= 1 and max_tokens >= 1, got {self}")
+
+    @classmethod
+    def greedy(cls, max_tokens: int = 512) -> "SamplingParams":
+        """Deterministic decoding, for validation."""
+        return cls(temperature=0.0, top_p=1.0, max_tokens=max_tokens)
+
+    def with_max_tokens(self, max_tokens: int) -> "SamplingParams":
+        return replace(self, max_tokens=max_tokens)
+
+
+@dataclass
+class Generation:
+    """One generated turn; ``logprobs[i]`` is the sampler's logprob of ``token_ids[i]``."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+class Generator(abc.ABC):
+    """Continues a token-id prompt. Safe to call concurrently from many asyncio tasks."""
+
+    @abc.abstractmethod
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Generate up to ``params.max_tokens`` tokens after ``prompt_ids``."""
+
+    async def aclose(self) -> None:
+        """Release connections or workers; the generator may not be used afterwards."""
+
+
+class VLLMServerGenerator(Generator):
+    """Client of an OpenAI-compatible vLLM server (``trl vllm-serve``) on its ``/v1/completions`` route.
+
+    ``model`` is the served model name; None asks the server (``GET /v1/models``) once. ``max_concurrency`` bounds the
+    requests in flight so a huge batch of rollouts queues here rather than in thousands of open sockets.
+    """
+
+    def __init__(self, base_url: str, model: str | None = None, max_concurrency: int = 256, timeout_s: float = 600.0):
+        url = httpx.URL(base_url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"base_url must be an http(s) URL such as http://127.0.0.1:8001, got {base_url!r}")
+        if max_concurrency < 1 or timeout_s <= 0:
+            raise ValueError(f"expected max_concurrency >= 1 and timeout_s > 0, got {max_concurrency}, {timeout_s}")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.max_concurrency = max_concurrency
+        self.timeout_s = timeout_s
+        self._http: httpx.AsyncClient | None = None
+        self._http_loop: asyncio.AbstractEventLoop | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        http, slots = self._client()
+        model = self.model or await self._served_model(http)
+        payload = {
+            "model": model,
+            "prompt": list(prompt_ids),
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            # Override the server's generation_config defaults so the tokens come from exactly `params`.
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        url = f"{self.base_url}/v1/completions"
+        async with slots:
+            response = await http.post(url, json=payload)
+        if response.status_code != 200:
+            raise RuntimeError(f"POST {url} failed with HTTP {response.status_code}: {response.text[:500]}")
+        return _generation_from_completion(response.json(), url)
+
+    async def _served_model(self, http: httpx.AsyncClient) -> str:
+        """The first model the server lists; remembered for every later request."""
+        url = f"{self.base_url}/v1/models"
+        response = await http.get(url)
+        if response.status_code != 200:
+            raise RuntimeError(f"GET {url} failed with HTTP {response.status_code}: {response.text[:500]}")
+        models = response.json().get("data") or []
+        if not models:
+            raise RuntimeError(f"GET {url} lists no served model: {response.text[:500]}")
+        self.model = models[0]["id"]
+        return self.model
+
+    def _client(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        """The pooled HTTP client and the in-flight bound of the running event loop."""
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http_loop is not loop:
+            # Connections and semaphores belong to the loop that made them; a new loop (another asyncio.run) gets its own.
+            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+            self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
+            self._slots = asyncio.Semaphore(self.max_concurrency)
+            self._http_loop = loop
+        return self._http, self._slots
+
+    async def aclose(self) -> None:
+        if self._http is not None and self._http_loop is asyncio.get_running_loop():
+            await self._http.aclose()
+        self._http = self._http_loop = self._slots = None
+
+
+def _generation_from_completion(body: dict, url: str) -> Generation:
+    """The :class:`Generation` in a ``/v1/completions`` response; RuntimeError naming what is missing otherwise."""
+    try:
+        choice = body["choices"][0]
+        token_ids = [int(t) for t in choice["token_ids"]]
+        logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
+        finish_reason = choice["finish_reason"]
+    except (KeyError, IndexError, TypeError, ValueError) as error:
+        raise RuntimeError(
+            f"{url} answered without choices[0].token_ids / logprobs.token_logprobs / finish_reason ({error!r}); "
+            f"the server must be vLLM >= 0.10.2 (it needs `return_token_ids`): {str(body)[:500]}"
+        ) from error
+    if finish_reason not in FINISH_REASONS or len(logprobs) != len(token_ids):
+        raise RuntimeError(
+            f"{url} returned finish_reason={finish_reason!r} (expected one of {FINISH_REASONS}) with "
+            f"{len(token_ids)} token ids and {len(logprobs)} logprobs"
+        )
+    return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason)
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+
+
+class TransformersGenerator(Generator):
+    """In-process generation with a ``transformers`` causal LM; see the module docstring.
+
+    Calls issued in the same event-loop instant with the same :class:`SamplingParams` are generated together, up to
+    ``max_batch_size`` per ``model.generate``; calls that arrive while a batch runs form the next batch. Batches run
+    one at a time in a worker thread, so the event loop (and the environments' I/O) keeps going meanwhile.
+    """
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 64):
+        if max_batch_size < 1:
+            raise ValueError(f"expected max_batch_size >= 1, got {max_batch_size}")
+        self.model = model
+        self.max_batch_size = max_batch_size
+        eos = model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_token_ids = sorted({*eos, tokenizer.eos_token_id} - {None})
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self._pending: list[_Request] = []
+        self._worker: asyncio.Task | None = None
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        loop = asyncio.get_running_loop()
+        request = _Request(list(prompt_ids), params, loop.create_future())
+        self._pending.append(request)
+        if self._worker is None or self._worker.done():
+            self._worker = loop.create_task(self._drain())
+        return await request.future
+
+    async def _drain(self) -> None:
+        """Generate pending requests batch by batch until none is left."""
+        await asyncio.sleep(0)  # one loop iteration, so every call issued in this instant joins the first batch
+        while self._pending:
+            batch = self._take_batch()
+            try:
+                generations = await asyncio.to_thread(self._generate_batch, batch)
+            except Exception as error:  # reported to the callers, whose rollouts raise it
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(error)
+                continue
+            for request, generation in zip(batch, generations):
+                if not request.future.done():  # done when the rollout waiting for it was cancelled
+                    request.future.set_result(generation)
+
+    def _take_batch(self) -> list[_Request]:
+        """Up to ``max_batch_size`` pending requests with the first one's sampling params, oldest first."""
+        params = self._pending[0].params
+        batch = [r for r in self._pending if r.params == params][: self.max_batch_size]
+        taken = set(map(id, batch))
+        self._pending = [r for r in self._pending if id(r) not in taken]
+        return batch
+
+    def _generate_batch(self, batch: list[_Request]) -> list[Generation]:
+        import torch
+        from transformers import GenerationConfig
+
+        params = batch[0].params
+        width = max(len(r.prompt_ids) for r in batch)
+        # Left padding, so every prompt ends where generation starts.
+        input_ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])
+        attention_mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
+        sample = params.temperature > 0
+        config = GenerationConfig(
+            max_new_tokens=params.max_tokens,
+            do_sample=sample,
+            temperature=params.temperature if sample else None,
+            top_p=params.top_p if sample else None,
+            # Explicit no-op values so the model's generation_config.json cannot change the distribution.
+            top_k=0,
+            min_p=0.0,
+            typical_p=1.0,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+        device = self.model.device
+        with torch.inference_mode():
+            output = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+            )
+        new_tokens = output.sequences[:, width:].tolist()
+        # `scores` are the logits after temperature/top-p (what the token was sampled from), one [batch, vocab] per step.
+        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in output.scores], dim=1)
+        chosen = logprobs.gather(-1, output.sequences[:, width:].unsqueeze(-1).to(logprobs.device)).squeeze(-1).tolist()
+        return [self._cut_at_eos(tokens, lps) for tokens, lps in zip(new_tokens, chosen)]
+
+    def _cut_at_eos(self, tokens: list[int], logprobs: list[float]) -> Generation:
+        """One row of a batch: up to and including its first eos ("stop"), or all of it ("length")."""
+        for i, token in enumerate(tokens):
+            if token in self.eos_token_ids:
+                return Generation(tokens[: i + 1], logprobs[: i + 1], "stop")
+        return Generation(tokens, logprobs, "length")
+
+    async def aclose(self) -> None:
+        if self._worker is not None:
+            await self._worker

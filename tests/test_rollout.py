@@ -1,0 +1,303 @@
+"""Rollout engine rules, with the real Qwen2.5 tokenizer and chat template.
+
+The generator is scripted: it answers each question's n-th turn with a fixed assistant text (tokenized, so the engine
+gets real token ids) and known logprobs, and records every prompt it was given. The environment is a tiny generic
+"lookup" task: a tool call gets a tool message, an answer ends the rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from searchr1_trl.generation import Generation, Generator, SamplingParams
+from searchr1_trl.rollout import (
+    EnvStep,
+    MessageEnv,
+    RolloutConfig,
+    RolloutEngine,
+    RolloutStatus,
+    _parse_tool_call_blocks,
+)
+
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a fact up.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
+
+
+def call(query: str) -> str:
+    """An assistant turn calling lookup, written exactly as the Qwen2.5 template renders tool calls."""
+    return f'<tool_call>\n{{"name": "lookup", "arguments": {{"query": "{query}"}}}}\n</tool_call><|im_end|>'
+
+
+class ScriptedGenerator(Generator):
+    """Answers the n-th turn of question q with ``script[q][n]``; logprobs are -0.01, -0.02, ... per turn."""
+
+    def __init__(self, tokenizer, script: dict[str, list[str]]):
+        self.tokenizer = tokenizer
+        self.script = script
+        self.calls: dict[str, list[tuple[list[int], SamplingParams, Generation]]] = {q: [] for q in script}
+
+    async def generate(self, prompt_ids, params):
+        text = self.tokenizer.decode(prompt_ids)
+        question = next(q for q in self.script if f"Question: {q}<|im_end|>" in text)
+        turns = self.calls[question]
+        ids = self.tokenizer.encode(self.script[question][len(turns)])
+        stopped = ids[-1] in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        if len(ids) > params.max_tokens:
+            ids, stopped = ids[: params.max_tokens], False
+        generation = Generation(ids, [-(i + 1) / 100 for i in range(len(ids))], "stop" if stopped else "length")
+        turns.append((list(prompt_ids), params, generation))
+        await asyncio.sleep(0)  # a real generator yields to the loop
+        return generation
+
+
+class LookupEnv(MessageEnv):
+    """Tool calls get ``result for <query>``; an answer ends the rollout. ``step_delay_s`` slows chosen questions."""
+
+    def __init__(self, step_delay_s: dict[str, float] | None = None):
+        self.tools = [LOOKUP_TOOL]
+        self.step_delay_s = step_delay_s or {}
+        self.stepped: list[dict] = []
+
+    def initial_messages(self, sample):
+        return [{"role": "user", "content": f"Question: {sample}"}]
+
+    async def step(self, message):
+        self.stepped.append(message)
+        calls = message.get("tool_calls") or []
+        question = calls[0]["function"]["arguments"]["query"] if calls else None
+        await asyncio.sleep(self.step_delay_s.get(question, 0.0))
+        if not calls:
+            return EnvStep(messages=[], done=True)
+        return EnvStep(
+            messages=[
+                {"role": "tool", "name": "lookup", "content": f"result for {c['function']['arguments']['query']}"}
+                for c in calls
+            ],
+            done=False,
+        )
+
+
+def roll(tokenizer, script, config=None, params=SamplingParams(), env=None):
+    """(rollouts in script order, generator, env) after running every scripted question."""
+    generator = ScriptedGenerator(tokenizer, script)
+    env = env or LookupEnv()
+    engine = RolloutEngine(tokenizer, generator, env, config or RolloutConfig())
+    return asyncio.run(engine.run(list(script), params)), generator, env
+
+
+def runs(rollout, mask_value):
+    """Decoded maximal runs of completion tokens whose env_mask is ``mask_value``."""
+    pieces, current = [], []
+    for token, mask in zip(rollout.completion_ids, rollout.env_mask):
+        if mask == mask_value:
+            current.append(token)
+        elif current:
+            pieces.append(current)
+            current = []
+    if current:
+        pieces.append(current)
+    return pieces
+
+
+def test_an_answer_without_tool_calls_ends_the_rollout_as_done(tokenizer):
+    [rollout], _, _ = roll(tokenizer, {"capital of France": ["Paris<|im_end|>"]})
+
+    assert rollout.status is RolloutStatus.DONE
+    assert rollout.messages == [
+        {"role": "user", "content": "Question: capital of France"},
+        {"role": "assistant", "content": "Paris"},
+    ]
+    assert rollout.completion_ids == tokenizer.encode("Paris<|im_end|>")
+    assert rollout.env_mask == [1, 1]
+    assert (rollout.num_turns, rollout.num_tool_calls) == (1, 0)
+    assert set(rollout.timings) == {"generate_s", "env_s", "total_s"}
+
+
+def test_a_tool_call_gets_the_env_messages_unchanged_then_the_answer_ends_it(tokenizer):
+    [rollout], _, env = roll(tokenizer, {"q": [call("France capital"), "Paris<|im_end|>"]})
+
+    assert rollout.status is RolloutStatus.DONE
+    assert rollout.messages == [
+        {"role": "user", "content": "Question: q"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"query": "France capital"}}}]},
+        {"role": "tool", "name": "lookup", "content": "result for France capital"},
+        {"role": "assistant", "content": "Paris"},
+    ]
+    assert env.stepped == [rollout.messages[1], rollout.messages[3]]
+    assert (rollout.num_turns, rollout.num_tool_calls) == (2, 1)
+
+
+def test_still_calling_tools_after_max_turns_is_truncated_max_turns(tokenizer):
+    [rollout], _, env = roll(tokenizer, {"q": [call("a"), call("b"), "never generated<|im_end|>"]},
+                             RolloutConfig(max_turns=2))
+
+    assert rollout.status is RolloutStatus.TRUNCATED_MAX_TURNS
+    assert rollout.status.truncated
+    assert rollout.num_turns == 2 and len(env.stepped) == 2
+    # The answer to the last call was never shown to the model, so it is not part of the rollout.
+    assert [m["role"] for m in rollout.messages] == ["user", "assistant", "tool", "assistant"]
+    assert rollout.messages[-1]["tool_calls"][0]["function"]["arguments"] == {"query": "b"}
+
+
+def test_a_turn_that_uses_all_its_max_tokens_is_truncated_length(tokenizer):
+    [rollout], _, env = roll(tokenizer, {"q": ["The capital of France is Paris.<|im_end|>"]},
+                             params=SamplingParams(max_tokens=3))
+
+    assert rollout.status is RolloutStatus.TRUNCATED_LENGTH
+    assert rollout.completion_ids == tokenizer.encode("The capital of")
+    assert rollout.messages[-1] == {"role": "assistant", "content": "The capital of"}
+    assert env.stepped == []
+
+
+def test_max_tokens_of_a_turn_is_capped_so_the_rollout_fits_max_rollout_tokens(tokenizer):
+    script = {"q": [call("a"), "The capital of France is Paris, a city on the Seine.<|im_end|>"]}
+    [first], generator, _ = roll(tokenizer, script)
+    budget = len(first.prompt_ids) + len(first.completion_ids) - 4
+
+    [rollout], generator, _ = roll(tokenizer, script, RolloutConfig(max_rollout_tokens=budget))
+
+    second_prompt, second_params, _ = generator.calls["q"][1]
+    assert second_params.max_tokens == budget - len(second_prompt)
+    assert rollout.status is RolloutStatus.TRUNCATED_LENGTH
+    assert len(rollout.prompt_ids) + len(rollout.completion_ids) == budget
+
+
+def test_a_next_prompt_beyond_max_rollout_tokens_is_truncated_prompt_too_long(tokenizer):
+    script = {"q": [call("a"), "Paris<|im_end|>"]}
+    _, first, _ = roll(tokenizer, script)
+    second_prompt, _, _ = first.calls["q"][1]
+
+    [rollout], generator, _ = roll(tokenizer, script, RolloutConfig(max_rollout_tokens=len(second_prompt)))
+
+    assert rollout.status is RolloutStatus.TRUNCATED_PROMPT_TOO_LONG
+    assert len(generator.calls["q"]) == 1
+    assert rollout.completion_ids == tokenizer.encode(call("a"))
+    assert [m["role"] for m in rollout.messages] == ["user", "assistant"]
+
+
+def test_an_initial_prompt_beyond_max_rollout_tokens_is_truncated_prompt_too_long(tokenizer):
+    [rollout], generator, _ = roll(tokenizer, {"q": ["Paris<|im_end|>"]}, RolloutConfig(max_rollout_tokens=10))
+
+    assert rollout.status is RolloutStatus.TRUNCATED_PROMPT_TOO_LONG
+    assert (rollout.num_turns, rollout.completion_ids, generator.calls["q"]) == (0, [], [])
+
+
+def test_tool_call_json_that_does_not_parse_is_error_parse(tokenizer):
+    bad = '<tool_call>\n{"name": "lookup", "arguments": {"query": </tool_call><|im_end|>'
+    [rollout], _, env = roll(tokenizer, {"q": [bad]})
+
+    assert rollout.status is RolloutStatus.ERROR_PARSE
+    assert rollout.messages[-1] == {"role": "assistant", "content": tokenizer.decode(tokenizer.encode(bad),
+                                                                                       skip_special_tokens=True)}
+    assert rollout.completion_ids == tokenizer.encode(bad) and rollout.env_mask == [1] * len(rollout.completion_ids)
+    assert env.stepped == []
+
+
+def test_an_env_step_slower_than_step_timeout_is_error_timeout(tokenizer):
+    [rollout], _, _ = roll(tokenizer, {"q": [call("slow")]}, RolloutConfig(step_timeout_s=0.05),
+                           env=LookupEnv(step_delay_s={"slow": 5.0}))
+
+    assert rollout.status is RolloutStatus.ERROR_TIMEOUT
+    assert rollout.timings["env_s"] < 1.0
+
+
+def test_env_mask_is_one_on_exactly_the_assistant_turns_and_logprobs_align(tokenizer):
+    turns = [call("a"), f'Let me check.\n{call("b")}', "Paris<|im_end|>"]
+    [rollout], generator, _ = roll(tokenizer, {"q": turns})
+
+    assert [tokenizer.decode(run) for run in runs(rollout, 1)] == turns
+    assert len(rollout.logprobs) == len(rollout.completion_ids) == len(rollout.env_mask)
+    model_logprobs = [lp for lp, m in zip(rollout.logprobs, rollout.env_mask) if m == 1]
+    assert model_logprobs == [lp for _, _, g in generator.calls["q"] for lp in g.logprobs]
+    assert all(lp == 0.0 for lp, m in zip(rollout.logprobs, rollout.env_mask) if m == 0)
+
+
+def test_env_tokens_are_template_glue_tool_turn_and_next_generation_prompt(tokenizer):
+    [rollout], _, _ = roll(tokenizer, {"q": [call("a"), "Paris<|im_end|>"]})
+
+    [env_tokens] = runs(rollout, 0)
+    assert tokenizer.decode(env_tokens) == (
+        "\n<|im_start|>user\n<tool_response>\nresult for a\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_earlier_turns_are_never_re_tokenized(tokenizer):
+    # Neither spacing is what the template would render, and "Paris" alone tokenizes differently from " Paris".
+    odd = '<tool_call>\n{"name":"lookup","arguments":{"query":"a"}}\n</tool_call><|im_end|>'
+    [rollout], generator, _ = roll(tokenizer, {"q": [odd, call("b"), "Paris<|im_end|>"]})
+
+    (p1, _, g1), (p2, _, g2), (p3, _, g3) = generator.calls["q"]
+    suffixes = runs(rollout, 0)
+    assert p1 == rollout.prompt_ids
+    assert p2 == p1 + g1.token_ids + suffixes[0]
+    assert p3 == p2 + g2.token_ids + suffixes[1]
+    assert rollout.completion_ids == g1.token_ids + suffixes[0] + g2.token_ids + suffixes[1] + g3.token_ids
+
+
+def test_the_final_sequence_is_what_the_model_saw_in_its_last_turn_plus_that_turn(tokenizer):
+    [rollout], generator, _ = roll(tokenizer, {"q": [call("a"), call("b"), "Paris<|im_end|>"]})
+
+    last_prompt, _, last = generator.calls["q"][-1]
+    assert rollout.prompt_ids + rollout.completion_ids == last_prompt + last.token_ids
+    # With turns written the way the template writes them, that sequence is the conversation itself.
+    assert tokenizer.decode(rollout.prompt_ids + rollout.completion_ids) + "\n" == tokenizer.apply_chat_template(
+        rollout.messages, tools=[LOOKUP_TOOL], tokenize=False
+    )
+
+
+def test_a_turn_ended_by_another_stop_token_gets_the_templates_end_of_turn_as_env_tokens(tokenizer):
+    endoftext = call("a").replace("<|im_end|>", "<|endoftext|>")
+    [rollout], _, _ = roll(tokenizer, {"q": [endoftext, "Paris<|im_end|>"]})
+
+    assert rollout.status is RolloutStatus.DONE
+    assert tokenizer.decode(runs(rollout, 1)[0]).endswith("</tool_call><|endoftext|>")
+    assert tokenizer.decode(runs(rollout, 0)[0]).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>")
+
+
+def test_thinking_is_kept_out_of_the_content_the_env_gets(tokenizer):
+    [rollout], _, env = roll(tokenizer, {"q": ["<think>\nIt is Paris.\n</think>\n\nParis<|im_end|>"]},
+                             RolloutConfig(enable_thinking=True))
+
+    assert env.stepped[0]["content"] == "Paris"
+    assert env.stepped[0]["reasoning_content"] == "It is Paris."
+
+
+def test_a_slow_env_step_does_not_hold_back_other_rollouts(tokenizer):
+    script = {"slow": [call("slow"), "A<|im_end|>"], "fast": [call("fast"), call("fast again"), "B<|im_end|>"]}
+    generator = ScriptedGenerator(tokenizer, script)
+    env = LookupEnv(step_delay_s={"slow": 0.5})
+    engine = RolloutEngine(tokenizer, generator, env, RolloutConfig())
+
+    started = time.perf_counter()
+    slow, fast = asyncio.run(engine.run(["slow", "fast"], SamplingParams()))
+
+    # Results come back in input order, and "fast" ran all three turns while "slow" waited on its one search.
+    assert (slow.sample, fast.sample) == ("slow", "fast")
+    assert slow.status is fast.status is RolloutStatus.DONE
+    assert fast.timings["total_s"] < 0.4 <= slow.timings["total_s"]
+    assert time.perf_counter() - started < 1.0
+
+
+def test_the_fallback_parser_reads_hermes_tool_call_blocks():
+    assert _parse_tool_call_blocks('Hi<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>') == {
+        "role": "assistant", "content": "Hi",
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}],
+    }
+    assert _parse_tool_call_blocks("<think>hmm</think>Paris") == {"role": "assistant", "content": "Paris"}
+    assert _parse_tool_call_blocks('<tool_call>{"name": "f"') is None
+    assert _parse_tool_call_blocks("<tool_call>[1]</tool_call>") is None
+
+
+def test_config_rejects_budgets_that_cannot_work():
+    with pytest.raises(ValueError, match="max_turns >= 1"):
+        RolloutConfig(max_turns=0)
