@@ -235,16 +235,13 @@ class TransformersGenerator(Generator):
         # Left padding, so every prompt ends where generation starts.
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])
         attention_mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
-        sample = params.temperature > 0
+        # Explicit no-op values so the model's generation_config.json cannot change the distribution; the sampling
+        # knobs only where they apply (transformers warns about them in greedy mode).
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "min_p": 0.0, "typical_p": 1.0}
         config = GenerationConfig(
             max_new_tokens=params.max_tokens,
-            do_sample=sample,
-            temperature=params.temperature if sample else None,
-            top_p=params.top_p if sample else None,
-            # Explicit no-op values so the model's generation_config.json cannot change the distribution.
-            top_k=0,
-            min_p=0.0,
-            typical_p=1.0,
+            do_sample=params.temperature > 0,
+            **(sampling if params.temperature > 0 else {}),
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             eos_token_id=self.eos_token_ids,

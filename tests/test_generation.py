@@ -1,0 +1,199 @@
+"""Generator backends: the in-process transformers backend on a tiny random Qwen2, the vLLM client's error handling.
+
+The vLLM client against a real server is covered by tests/test_rollout_integration.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from searchr1_trl.generation import SamplingParams, TransformersGenerator, VLLMServerGenerator
+
+from conftest import free_port
+
+PROMPTS = [[151644, 872, 198, 9707], [151644, 872, 198, 3838, 374, 279, 6722, 315, 9625, 30], [9707, 11, 1879]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    """(model in float32, so batched and single runs agree to rounding, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class CountingModel:
+    """The model with its ``generate`` calls counted (batch size of each)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.batch_sizes: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def generate(self, input_ids, **kwargs):
+        self.batch_sizes.append(len(input_ids))
+        return self.model.generate(input_ids=input_ids, **kwargs)
+
+
+def generate_all(generator, prompts, params):
+    async def main():
+        return await asyncio.gather(*(generator.generate(p, params) for p in prompts))
+
+    return asyncio.run(main())
+
+
+def test_calls_issued_together_become_one_generate_call_with_the_same_results_as_alone(tiny):
+    model, tokenizer = tiny
+    counting = CountingModel(model)
+    generator = TransformersGenerator(counting, tokenizer)
+    params = SamplingParams.greedy(max_tokens=6)
+
+    together = generate_all(generator, PROMPTS, params)
+    alone = [generate_all(generator, [p], params)[0] for p in PROMPTS]
+
+    assert counting.batch_sizes == [3, 1, 1, 1]
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    for batched, single in zip(together, alone):
+        assert batched.logprobs == pytest.approx(single.logprobs, abs=1e-4)
+
+
+def test_max_batch_size_splits_a_large_group_into_several_generate_calls(tiny):
+    model, tokenizer = tiny
+    counting = CountingModel(model)
+    generator = TransformersGenerator(counting, tokenizer, max_batch_size=2)
+
+    generate_all(generator, PROMPTS + PROMPTS[:2], SamplingParams.greedy(max_tokens=2))
+
+    assert counting.batch_sizes == [2, 2, 1]
+
+
+def test_calls_with_different_sampling_params_are_generated_separately(tiny):
+    model, tokenizer = tiny
+    counting = CountingModel(model)
+    generator = TransformersGenerator(counting, tokenizer)
+
+    async def main():
+        return await asyncio.gather(
+            generator.generate(PROMPTS[0], SamplingParams.greedy(max_tokens=2)),
+            generator.generate(PROMPTS[1], SamplingParams(temperature=0.7, max_tokens=2)),
+            generator.generate(PROMPTS[2], SamplingParams.greedy(max_tokens=2)),
+        )
+
+    asyncio.run(main())
+    assert counting.batch_sizes == [2, 1]
+
+
+def test_greedy_decoding_is_deterministic(tiny):
+    model, tokenizer = tiny
+    generator = TransformersGenerator(model, tokenizer)
+    params = SamplingParams.greedy(max_tokens=8)
+
+    first, second = (generate_all(generator, PROMPTS, params) for _ in range(2))
+
+    assert [g.token_ids for g in first] == [g.token_ids for g in second]
+
+
+def forward_logprobs(model, prompt, generated, temperature=1.0):
+    """log_softmax(logits / temperature) of each generated token, from one forward pass over prompt + generated."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, torch.tensor(generated).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def test_greedy_logprobs_are_the_models_logprobs_of_each_generated_token(tiny):
+    model, tokenizer = tiny
+    [generation] = generate_all(TransformersGenerator(model, tokenizer), PROMPTS[1:2], SamplingParams.greedy(5))
+
+    assert len(generation.logprobs) == len(generation.token_ids) == 5
+    assert generation.logprobs == pytest.approx(forward_logprobs(model, PROMPTS[1], generation.token_ids), abs=1e-4)
+
+
+def test_sampled_logprobs_are_after_temperature_like_vllms_processed_logprobs(tiny):
+    model, tokenizer = tiny
+    torch.manual_seed(0)
+    params = SamplingParams(temperature=0.5, top_p=1.0, max_tokens=5)
+    [generation] = generate_all(TransformersGenerator(model, tokenizer), PROMPTS[1:2], params)
+
+    expected = forward_logprobs(model, PROMPTS[1], generation.token_ids, temperature=0.5)
+    assert generation.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_generation_stops_at_an_eos_token_and_keeps_it_as_finish_reason_stop(tiny):
+    model, tokenizer = tiny
+    params = SamplingParams.greedy(max_tokens=8)
+    [free] = generate_all(TransformersGenerator(model, tokenizer), PROMPTS[:1], params)
+    assert (free.finish_reason, len(free.token_ids)) == ("length", 8)
+
+    # Make the third generated token an end-of-sequence token: generation must end there, with it.
+    eos = free.token_ids[2]
+    model.generation_config.eos_token_id = eos
+    try:
+        [stopped] = generate_all(TransformersGenerator(model, tokenizer), PROMPTS[:1], params)
+    finally:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+    assert stopped.logprobs == pytest.approx(free.logprobs[: len(stopped.token_ids)], abs=1e-4)
+
+
+def test_sampling_params_validate_and_greedy_means_temperature_zero():
+    assert SamplingParams.greedy(max_tokens=7) == SamplingParams(temperature=0.0, top_p=1.0, max_tokens=7)
+    with pytest.raises(ValueError, match="max_tokens >= 1"):
+        SamplingParams(max_tokens=0)
+
+
+@pytest.fixture
+def failing_server():
+    """A loopback server that answers every request with HTTP 503."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._fail()
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._fail()
+
+        def _fail(self):
+            body = json.dumps({"error": "overloaded"}).encode()
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_vllm_http_failures_name_the_url_and_status(failing_server):
+    async def generate(model):
+        generator = VLLMServerGenerator(failing_server, model=model)
+        try:
+            return await generator.generate([1, 2, 3], SamplingParams.greedy(4))
+        finally:
+            await generator.aclose()
+
+    with pytest.raises(RuntimeError, match=rf"POST {failing_server}/v1/completions failed with HTTP 503"):
+        asyncio.run(generate("served-name"))
+    with pytest.raises(RuntimeError, match=rf"GET {failing_server}/v1/models failed with HTTP 503"):
+        asyncio.run(generate(None))
+
+
+def test_vllm_generator_rejects_a_url_that_is_not_http():
+    with pytest.raises(ValueError, match="base_url must be an http"):
+        VLLMServerGenerator("localhost:8001")
