@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from searchr1_trl.plan import validate_plan
+from searchr1_trl.plan import PlanError, validate_plan
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -40,7 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     args, model_args = parser.parse_args_and_config(args=resolve_recipe(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_args.model_name_or_path = os.path.expanduser(model_args.model_name_or_path)
-    validate_plan(args, model_args, check_servers=True)
+    try:
+        validate_plan(args, model_args)
+    except PlanError as error:
+        sys.exit(f"error: {error}")
     args.model_init_kwargs = {
         **(args.model_init_kwargs or {}),
         "dtype": model_args.dtype,

@@ -50,8 +50,12 @@ def _server_answers(url: str) -> bool:
         return False
 
 
-def validate_plan(args, model_args, check_servers: bool = False) -> None:
-    """Raise :class:`PlanError` naming the first problem in the recipe."""
+def validate_plan(args, model_args, check_machine: bool = True) -> None:
+    """Raise :class:`PlanError` naming the first problem in the recipe.
+
+    ``check_machine=False`` checks the recipe alone (what tests on a CPU machine can check); True also checks this
+    machine and the servers the run needs.
+    """
     model = model_args.model_name_or_path
     if not model:
         raise PlanError("model_name_or_path is not set: name a Hub model or a local folder in the recipe")
@@ -65,16 +69,17 @@ def validate_plan(args, model_args, check_servers: bool = False) -> None:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         raise PlanError(f"vllm_tensor_parallel_size={tp} does not divide the {heads} KV heads of {model}: "
                         f"use one of {divisors}")
+    if not check_machine:
+        return
     if args.weight_sync == "nccl" and args.generator == "vllm":
         import torch
 
         if not torch.cuda.is_available():
             raise PlanError("weight_sync=nccl needs CUDA: use weight_sync=reload on this machine")
-    if check_servers:
-        search_base = args.search_url.rsplit("/", 1)[0]
-        if not _server_answers(f"{search_base}/health"):
-            raise PlanError(f"retrieval server not reachable at {search_base}/health: start `searchr1-retriever` "
-                            "or fix search_url")
-        if args.generator == "vllm" and not _server_answers(f"{args.generator_url}/health"):
-            raise PlanError(f"vLLM server not reachable at {args.generator_url}/health: start `trl vllm-serve` "
-                            "or fix vllm_server_base_url")
+    search_base = args.search_url.rsplit("/", 1)[0]
+    if not _server_answers(f"{search_base}/health"):
+        raise PlanError(f"retrieval server not reachable at {search_base}/health: start `searchr1-retriever` "
+                        "or fix search_url")
+    if args.generator == "vllm" and not _server_answers(f"{args.generator_url}/health"):
+        raise PlanError(f"vLLM server not reachable at {args.generator_url}/health: start `trl vllm-serve` "
+                        "or fix vllm_server_base_url")

@@ -187,11 +187,15 @@ class QuestionBatches:
 
 
 class SearchR1Trainer(GRPOTrainer):
-    """GRPO on multi-turn search rollouts. Build it with :meth:`from_config` or pass the parts yourself."""
+    """GRPO on multi-turn search rollouts.
+
+    Everything comes from ``args`` unless passed: ``train_stream``/``eval_samples`` (questions), ``env`` (the search
+    environment), ``reward_funcs`` (default: the rubric the config describes; extra TRL reward functions may be added).
+    """
 
     def __init__(self, model, args: SearchR1Config, processing_class=None, peft_config=None,
                  train_stream: SearchR1Dataset | None = None, eval_samples: list[SearchR1Sample] | None = None,
-                 env: SearchR1Env | None = None, **kwargs):
+                 env: SearchR1Env | None = None, reward_funcs: list | None = None, **kwargs):
         self.train_stream = train_stream or SearchR1Dataset(args.train_stream_config())
         self.eval_samples = eval_samples if eval_samples is not None else (
             SearchR1Dataset(args.eval_stream_config()).take(args.eval_num_samples)
@@ -206,7 +210,7 @@ class SearchR1Trainer(GRPOTrainer):
         train_dataset = datasets.IterableDataset.from_generator(lambda: iter(()))
         eval_dataset = datasets.Dataset.from_list([_row(s, self.env) for s in self.eval_samples]) or None
         super().__init__(
-            model=model, reward_funcs=[args.rubric()], args=args, train_dataset=train_dataset,
+            model=model, reward_funcs=reward_funcs or [args.rubric()], args=args, train_dataset=train_dataset,
             eval_dataset=eval_dataset if len(self.eval_samples) else None, processing_class=processing_class,
             peft_config=peft_config, rollout_func=self._rollout_func, **kwargs,
         )
