@@ -139,6 +139,16 @@ class Rollout:
     timings: dict[str, float]  # {"generate_s", "env_s", "total_s"}
 
 
+async def _gather(coroutines: list) -> list:
+    """Run coroutines as concurrent tasks, results in order; after a failure, cancel the rest rather than leak them."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class RolloutEngine:
     """Runs a :class:`MessageEnv` against a :class:`Generator`, many rollouts at once; see the module docstring."""
 
@@ -155,18 +165,17 @@ class RolloutEngine:
 
         Each rollout is its own task, so one waiting on its environment never holds back the others' generation.
         """
-        tasks = [asyncio.ensure_future(self.rollout(sample, params)) for sample in samples]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:  # after a failure, stop the rollouts still running rather than leaking them
-                task.cancel()
+        return await _gather([self.rollout(sample, params) for sample in samples])
 
-    async def rollout(self, sample, params: SamplingParams) -> Rollout:
-        """Roll out one sample until the environment is done or a budget ends it."""
+    async def run_messages(self, conversations: list[list[dict]], params: SamplingParams) -> list[Rollout]:
+        """Like :meth:`run`, from already-built initial conversations (TRL hands ``rollout_func`` only prompts)."""
+        return await _gather([self.rollout(None, params, messages=m) for m in conversations])
+
+    async def rollout(self, sample, params: SamplingParams, messages: list[dict] | None = None) -> Rollout:
+        """Roll out one sample (or the given initial ``messages``) until the env is done or a budget ends it."""
         started = time.perf_counter()
         timings = {"generate_s": 0.0, "env_s": 0.0}
-        messages = list(self.env.initial_messages(sample))
+        messages = list(self.env.initial_messages(sample) if messages is None else messages)
         prompt_ids = self._render(messages, add_generation_prompt=True)
         completion_ids: list[int] = []
         env_mask: list[int] = []
