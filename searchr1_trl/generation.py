@@ -104,7 +104,7 @@ class VLLMServerGenerator(Generator):
             "temperature": params.temperature,
             "top_p": params.top_p,
             # Override the server's generation_config defaults so the tokens come from exactly `params`.
-            "top_k": -1,
+            "top_k": 0,
             "min_p": 0.0,
             "repetition_penalty": 1.0,
             "logprobs": 0,

@@ -114,6 +114,14 @@ class RolloutConfig:
     enable_thinking: bool = field(
         default=False, metadata={"help": "Passed to chat templates that accept it (Qwen3); others ignore it."}
     )
+    bare_json_tool_calls: bool = field(
+        default=False,
+        metadata={
+            "help": "Also read an assistant turn that is nothing but a JSON object {\"name\": <one of the env's tools>, "
+            "\"arguments\": {...}} as a tool call. Some small models (Qwen2.5-Coder-0.5B-Instruct) call tools this "
+            "way instead of in their chat template's format (<tool_call>...</tool_call>)."
+        },
+    )
 
     def __post_init__(self):
         if self.max_turns < 1 or self.max_rollout_tokens < 2 or self.step_timeout_s <= 0:
@@ -159,6 +167,7 @@ class RolloutEngine:
         self.config = config or RolloutConfig()
         self._chat_template = _prefix_preserving_chat_template(tokenizer)
         self._parse = _response_parser(tokenizer, env.tools)
+        self._tool_names = {tool["function"]["name"] for tool in env.tools}
 
     async def run(self, samples: list, params: SamplingParams) -> list[Rollout]:
         """Roll out every sample concurrently; results in input order.
@@ -194,7 +203,7 @@ class RolloutEngine:
             env_mask += [1] * len(generation.token_ids)
             logprobs += generation.logprobs
 
-            message = None if generation.finish_reason == "length" else self._parse(generation.token_ids, sequence)
+            message = None if generation.finish_reason == "length" else self._parse_turn(generation.token_ids, sequence)
             if message is None:
                 messages.append({"role": "assistant", "content": self._decode(generation.token_ids)})
                 status = RolloutStatus.TRUNCATED_LENGTH if generation.finish_reason == "length" else RolloutStatus.ERROR_PARSE
@@ -230,6 +239,13 @@ class RolloutEngine:
             num_tool_calls=sum(len(m.get("tool_calls") or []) for m in messages if m["role"] == "assistant"),
             timings=timings,
         )
+
+    def _parse_turn(self, generated_ids: list[int], prompt_ids: list[int]) -> dict | None:
+        """The assistant message of a finished turn; None if it cannot be parsed."""
+        message = self._parse(generated_ids, prompt_ids)
+        if message is not None and self.config.bare_json_tool_calls:
+            message = _bare_json_tool_call(message, self._tool_names)
+        return message
 
     def _room(self, sequence: list[int]) -> int:
         """How many tokens may still be generated after ``sequence``; 0 means the prompt is too long."""
@@ -347,6 +363,23 @@ def _assistant_message(parsed: Any) -> dict | None:
             for c in calls
         ]
     return message
+
+
+def _bare_json_tool_call(message: dict, tool_names: set[str]) -> dict:
+    """``message``, with content that is only a JSON call of one of ``tool_names`` read as that tool call.
+
+    ``'{"name": "search", "arguments": {"query": "x"}}'`` -> content ``""`` and one call of ``search``; any other
+    content (text, JSON of something else, malformed JSON) is left as it is.
+    """
+    try:
+        call = json.loads(message["content"]) if not message.get("tool_calls") else None
+    except json.JSONDecodeError:
+        return message
+    if not (isinstance(call, dict) and call.get("name") in tool_names
+            and isinstance(call.get("arguments", {}), (dict, str))):
+        return message
+    function = {"name": call["name"], "arguments": call.get("arguments", {})}
+    return {**message, "content": "", "tool_calls": [{"type": "function", "function": function}]}
 
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)

@@ -288,6 +288,29 @@ def test_a_slow_env_step_does_not_hold_back_other_rollouts(tokenizer):
     assert time.perf_counter() - started < 1.0
 
 
+def test_bare_json_tool_calls_are_tool_calls_only_when_enabled(tokenizer):
+    bare = '{"name": "lookup", "arguments": {"query": "a"}}<|im_end|>'
+    script = {"q": [bare, "Paris<|im_end|>"]}
+
+    [strict], _, _ = roll(tokenizer, script)
+    [lenient], _, _ = roll(tokenizer, script, RolloutConfig(bare_json_tool_calls=True))
+
+    assert (strict.status, strict.num_tool_calls, strict.messages[-1]["content"]) == (
+        RolloutStatus.DONE, 0, bare.removesuffix("<|im_end|>"))
+    assert (lenient.status, lenient.num_tool_calls) == (RolloutStatus.DONE, 1)
+    assert lenient.messages[1] == {"role": "assistant", "content": "",
+                                   "tool_calls": [{"type": "function", "function": {"name": "lookup",
+                                                                                    "arguments": {"query": "a"}}}]}
+    assert tokenizer.decode(runs(lenient, 1)[0]) == bare  # the model's own tokens, not the template's rendering
+
+
+def test_bare_json_that_names_no_tool_of_the_env_stays_an_answer(tokenizer):
+    answer = '{"name": "Paris", "arguments": {}}<|im_end|>'
+    [rollout], _, _ = roll(tokenizer, {"q": [answer]}, RolloutConfig(bare_json_tool_calls=True))
+
+    assert (rollout.status, rollout.num_tool_calls) == (RolloutStatus.DONE, 0)
+
+
 def test_the_fallback_parser_reads_hermes_tool_call_blocks():
     assert _parse_tool_call_blocks('Hi<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>') == {
         "role": "assistant", "content": "Hi",
