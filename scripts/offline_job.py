@@ -5,6 +5,7 @@ reward/EM curves (PNG) and a summary -> servers stopped.
 
     python scripts/offline_job.py                     # the CPU recipe (configs/offline.yaml)
     python scripts/offline_job.py --max_steps 2       # extra flags go to scripts/train.py
+    python scripts/offline_job.py --config offline_gpu --output_dir runs/offline_gpu --corpus full   # one GPU
 
 On a 2-core CPU the whole SQuAD-open corpus (31k passages) takes ~12 minutes to embed, so the job indexes a slice
 that still holds every answer it asks about: all SQuAD dev paragraphs (validation), the paragraphs of the first
@@ -15,6 +16,7 @@ distractors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import subprocess
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 from searchr1_trl.assets import prepare
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
@@ -65,18 +68,27 @@ def plot(log_history: list[dict], path: Path) -> None:
 
     train = [e for e in log_history if "reward" in e]
     evals = [e for e in log_history if "eval_em" in e]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, ax = plt.subplots(1, 3, figsize=(15, 3.5))
     ax[0].plot([e["step"] for e in train], [e["reward"] for e in train], marker="o")
     ax[0].set(title="training reward (mean per step)", xlabel="optimizer step", ylabel="reward")
     ax[1].plot([e["step"] for e in evals], [e["eval_em"] for e in evals], marker="o", color="C1")
     ax[1].set(title="validation EM (greedy)", xlabel="optimizer step", ylabel="exact match", ylim=(0, 1))
+    ax[2].plot([e["step"] for e in train], [e.get("rollout/searches_per_rollout") for e in train], marker="o",
+               label="searches / rollout")
+    ax[2].plot([e["step"] for e in train], [e.get("rollout/status_done") for e in train], marker="o",
+               label="fraction DONE")
+    ax[2].set(title="rollouts", xlabel="optimizer step")
+    ax[2].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="offline", help="recipe in configs/ (offline or offline_gpu)")
     parser.add_argument("--output_dir", default="runs/offline")
+    parser.add_argument("--corpus", choices=["slice", "full"], default="slice",
+                        help="index a slice (CPU) or the whole SQuAD-open corpus (GPU)")
     parser.add_argument("--train_articles", type=int, default=20)
     parser.add_argument("--distractors", type=int, default=1000)
     parser.add_argument("--retriever_port", type=int, default=8000)
@@ -87,16 +99,26 @@ def main() -> None:
     out = (ROOT / args.output_dir).resolve()
 
     assets = prepare()
-    data = slice_data(assets, out / "data", args.train_articles, args.distractors)
+    if args.corpus == "slice":
+        data = slice_data(assets, out / "data", args.train_articles, args.distractors)
+    else:
+        data = {"corpus": assets.corpus, "train": assets.train_questions, "test": assets.test_questions}
     index = out / "data" / "index.faiss"
+    index.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", data["corpus"],
                     "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)
     generator = VLLMServerConfig(model=assets.model, port=args.generator_port, log_file=str(out / "vllm.log"))
-    with RetrieverProcess(index_path=str(index), corpus_path=data["corpus"], retriever_model=assets.embedder,
-                          port=args.retriever_port, log_file=str(out / "retriever.log")), VLLMServer(generator):
+    recipe = yaml.safe_load((ROOT / "configs" / f"{args.config}.yaml").read_text())
+    uses_vllm = recipe.get("generator", "vllm") == "vllm"
+    with contextlib.ExitStack() as servers:
+        servers.enter_context(RetrieverProcess(index_path=str(index), corpus_path=data["corpus"],
+                                               retriever_model=assets.embedder, port=args.retriever_port,
+                                               log_file=str(out / "retriever.log")))
+        if uses_vllm:
+            servers.enter_context(VLLMServer(generator))
         logger.info("servers up after %.0fs; training", time.monotonic() - start)
         subprocess.run([
-            sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "offline",
+            sys.executable, str(ROOT / "scripts" / "train.py"), "--config", args.config,
             "--model_name_or_path", assets.model, "--output_dir", str(out),
             "--train_data_path", data["train"], "--eval_data_path", data["test"], "--eval_on_start", "true",
             "--search_url", f"http://127.0.0.1:{args.retriever_port}/retrieve",
@@ -115,6 +137,7 @@ def main() -> None:
                                               evals[-1].get("eval_searches_per_rollout")],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    pd.DataFrame(history).to_csv(out / "log_history.csv", index=False)
     logger.info("done: %s; curves in %s", json.dumps(summary), out / "curves.png")
 
 
