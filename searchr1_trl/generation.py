@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import logging
 from dataclasses import dataclass, replace
 
 import httpx
-
-logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length")
 
@@ -177,9 +174,10 @@ class _Request:
 class TransformersGenerator(Generator):
     """In-process generation with a ``transformers`` causal LM; see the module docstring.
 
-    Calls issued in the same event-loop instant with the same :class:`SamplingParams` are generated together, up to
-    ``max_batch_size`` per ``model.generate``; calls that arrive while a batch runs form the next batch. Batches run
-    one at a time in a worker thread, so the event loop (and the environments' I/O) keeps going meanwhile.
+    Calls issued in the same event-loop instant with the same temperature and top-p are generated together, up to
+    ``max_batch_size`` per ``model.generate`` (for the largest ``max_tokens`` among them; each row is then cut to its
+    own, so rollouts near their token budget don't split a batch); calls that arrive while a batch runs form the next
+    batch. Batches run one at a time in a worker thread, so the event loop (and the environments' I/O) keeps going.
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64):
@@ -219,9 +217,10 @@ class TransformersGenerator(Generator):
                     request.future.set_result(generation)
 
     def _take_batch(self) -> list[_Request]:
-        """Up to ``max_batch_size`` pending requests with the first one's sampling params, oldest first."""
+        """Up to ``max_batch_size`` pending requests sampled like the first one, oldest first."""
         params = self._pending[0].params
-        batch = [r for r in self._pending if r.params == params][: self.max_batch_size]
+        batch = [r for r in self._pending if r.params.with_max_tokens(params.max_tokens) == params]
+        batch = batch[: self.max_batch_size]
         taken = set(map(id, batch))
         self._pending = [r for r in self._pending if id(r) not in taken]
         return batch
@@ -239,7 +238,7 @@ class TransformersGenerator(Generator):
         # knobs only where they apply (transformers warns about them in greedy mode).
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "min_p": 0.0, "typical_p": 1.0}
         config = GenerationConfig(
-            max_new_tokens=params.max_tokens,
+            max_new_tokens=max(r.params.max_tokens for r in batch),
             do_sample=params.temperature > 0,
             **(sampling if params.temperature > 0 else {}),
             repetition_penalty=1.0,
@@ -258,14 +257,14 @@ class TransformersGenerator(Generator):
         # `scores` are the logits after temperature/top-p (what the token was sampled from), one [batch, vocab] per step.
         logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in output.scores], dim=1)
         chosen = logprobs.gather(-1, output.sequences[:, width:].unsqueeze(-1).to(logprobs.device)).squeeze(-1).tolist()
-        return [self._cut_at_eos(tokens, lps) for tokens, lps in zip(new_tokens, chosen)]
+        return [self._cut(r.params.max_tokens, tokens, lps) for r, tokens, lps in zip(batch, new_tokens, chosen)]
 
-    def _cut_at_eos(self, tokens: list[int], logprobs: list[float]) -> Generation:
-        """One row of a batch: up to and including its first eos ("stop"), or all of it ("length")."""
-        for i, token in enumerate(tokens):
+    def _cut(self, max_tokens: int, tokens: list[int], logprobs: list[float]) -> Generation:
+        """One row of a batch: up to and including its first eos ("stop"), else its first ``max_tokens`` ("length")."""
+        for i, token in enumerate(tokens[:max_tokens]):
             if token in self.eos_token_ids:
                 return Generation(tokens[: i + 1], logprobs[: i + 1], "stop")
-        return Generation(tokens, logprobs, "length")
+        return Generation(tokens[:max_tokens], logprobs[:max_tokens], "length")
 
     async def aclose(self) -> None:
         if self._worker is not None:

@@ -76,7 +76,7 @@ def test_max_batch_size_splits_a_large_group_into_several_generate_calls(tiny):
     assert counting.batch_sizes == [2, 2, 1]
 
 
-def test_calls_with_different_sampling_params_are_generated_separately(tiny):
+def test_calls_with_different_temperatures_are_generated_separately(tiny):
     model, tokenizer = tiny
     counting = CountingModel(model)
     generator = TransformersGenerator(counting, tokenizer)
@@ -90,6 +90,20 @@ def test_calls_with_different_sampling_params_are_generated_separately(tiny):
 
     asyncio.run(main())
     assert counting.batch_sizes == [2, 1]
+
+
+def test_calls_differing_only_in_max_tokens_share_a_batch_and_each_gets_its_own_length(tiny):
+    model, tokenizer = tiny
+    counting = CountingModel(model)
+    generator = TransformersGenerator(counting, tokenizer)
+
+    async def main():
+        return await asyncio.gather(*(generator.generate(PROMPTS[0], SamplingParams.greedy(n)) for n in (2, 5)))
+
+    short, long = asyncio.run(main())
+    assert counting.batch_sizes == [2]
+    assert (len(short.token_ids), len(long.token_ids)) == (2, 5)
+    assert short.token_ids == long.token_ids[:2] and short.finish_reason == long.finish_reason == "length"
 
 
 def test_greedy_decoding_is_deterministic(tiny):
