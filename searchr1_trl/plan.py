@@ -13,14 +13,8 @@ from pathlib import Path
 
 import httpx
 
-# Published architecture numbers of the recipe models (config.json on the Hub); the 2-KV-head 30B dense model is
-# the seed's "Muse Glimmer 30B".
-PUBLISHED_KV_HEADS = {
-    "Qwen/Qwen3-1.7B": 8,
-    "Qwen/Qwen3-8B": 8,
-    "Qwen/Qwen3-30B-A3B": 4,
-    "meta-models/Muse-Glimmer-30B": 2,
-}
+from searchr1_trl.shapes import PUBLISHED_CONFIGS
+
 
 
 class PlanError(ValueError):
@@ -37,8 +31,8 @@ def kv_heads(model_name_or_path: str) -> int:
         config = getattr(config, "text_config", config)
         return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     except (OSError, ValueError):
-        if model_name_or_path in PUBLISHED_KV_HEADS:
-            return PUBLISHED_KV_HEADS[model_name_or_path]
+        if model_name_or_path in PUBLISHED_CONFIGS:
+            return PUBLISHED_CONFIGS[model_name_or_path]["num_key_value_heads"]
         raise PlanError(f"cannot read the config of model {model_name_or_path!r}: download it first "
                         f"(scripts/download_hf_assets.py) or check the name") from None
 
