@@ -93,6 +93,9 @@ class SearchR1Config(GRPOConfig):
     max_rollout_tokens: int = field(default=3072, metadata={"help": "Prompt + completion tokens per rollout."})
     max_tokens_per_turn: int = field(default=512, metadata={"help": "Generated tokens per assistant turn."})
     enable_thinking: bool = field(default=False, metadata={"help": "Thinking mode of templates that have it."})
+    bare_json_tool_calls: bool = field(
+        default=False, metadata={"help": "Also read a turn that is only a JSON tool call as a call (small models)."}
+    )
 
     # --- rubric ---
     no_search_penalty: float = field(default=0.0, metadata={"help": "Subtracted from correct answers w/o search."})
@@ -217,7 +220,7 @@ class SearchR1Trainer(GRPOTrainer):
         self.engine = RolloutEngine(
             self.processing_class, self._make_generator(), self.env,
             RolloutConfig(max_turns=args.max_turns, max_rollout_tokens=args.max_rollout_tokens,
-                          enable_thinking=args.enable_thinking),
+                          enable_thinking=args.enable_thinking, bare_json_tool_calls=args.bare_json_tool_calls),
         )
 
     # ---- rollouts ----------------------------------------------------------------------------------------------
