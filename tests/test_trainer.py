@@ -104,6 +104,7 @@ def small_config(tmp_path, questions_file, retriever_url, **overrides) -> Search
         max_rollout_tokens=1536, train_data_path=questions_file, eval_data_path=questions_file,
         eval_data_source=None, eval_num_samples=4, eval_strategy="no", save_strategy="no", search_url=retriever_url,
         weight_sync_dir=str(tmp_path / "generator_weights"), warmup_steps=0, report_to="none",
+        bare_json_tool_calls=True,
     )
     values.update(overrides)
     return SearchR1Config(**values)
