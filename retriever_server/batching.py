@@ -31,7 +31,9 @@ SearchFn = Callable[[list[str], list[int]], list[Hits]]
 @dataclass
 class BatcherConfig:
     batching: bool = field(default=True, metadata={"help": "Merge concurrent requests into shared batches."})
-    max_batch_size: int = field(default=256, metadata={"help": "Most queries in one batch (a bigger request runs alone)."})
+    max_batch_size: int = field(
+        default=256, metadata={"help": "Most queries in one batch (a bigger request runs alone)."}
+    )
     max_wait_ms: float = field(default=2.0, metadata={"help": "Longest a request waits for others to join its batch."})
     max_queued_queries: int = field(
         default=8192, metadata={"help": "Queued plus running queries above which requests get 503."}

@@ -24,8 +24,8 @@ from tqdm import tqdm
 from transformers import HfArgumentParser
 
 from retriever_server.encoder import Encoder, EncoderConfig
-from retriever_server.index import Corpus, IndexConfig, new_index
-from retriever_server.retriever import meta_path
+from retriever_server.index import Corpus, IndexConfig, SearchConfig, configure_search, new_index
+from retriever_server.retriever import meta_path, set_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class BuildConfig:
     keep_embeddings: bool = field(default=False, metadata={"help": "Keep the embedding shards after the build."})
     ivf_train_size: int = field(default=500_000, metadata={"help": "Vectors sampled to train IVF-PQ."})
     sanity_samples: int = field(default=1000, metadata={"help": "Passages searched for themselves after the build."})
+    cpu_threads: int | None = field(default=None, metadata={"help": "torch/faiss CPU threads (default: all cores)."})
 
 
 def shards_dir(index_path: str) -> Path:
@@ -100,15 +101,19 @@ def index_shards(paths: list[Path], dim: int, total: int, index_config: IndexCon
 
 
 def self_retrieval(index: faiss.Index, paths: list[Path], shard_size: int, samples: int) -> tuple[float, int]:
-    """Fraction of sampled passages whose own vector finds them at rank 1 (a wrong row order or a lossy index shows)."""
+    """Fraction of sampled passages whose own vector finds them at rank 1, searched with the server's defaults.
+
+    A wrong row order shows as ~0; a lossy index (IVF-PQ) or duplicate passages as somewhat below 1.
+    """
     total = index.ntotal
     rows = np.unique(np.linspace(0, total - 1, num=min(samples, total)).astype(np.int64))
     vectors = np.concatenate([np.load(paths[r // shard_size], mmap_mode="r")[r % shard_size][None] for r in rows])
-    _, found = index.search(vectors, 1)
+    _, found = configure_search(index, SearchConfig()).search(vectors, 1)
     return float((found[:, 0] == rows).mean()), len(rows)
 
 
 def build(config: BuildConfig, encoder_config: EncoderConfig, index_config: IndexConfig) -> None:
+    set_cpu_threads(config.cpu_threads)
     start = time.monotonic()
     corpus = Corpus.load(config.corpus_path)
     encoder = Encoder(encoder_config)

@@ -32,7 +32,7 @@ class EncoderConfig:
     )
     retriever_name: str | None = field(
         default=None,
-        metadata={"help": "Model family (e5, bge, ...) that picks pooling and prefix defaults; default: the model's name."},
+        metadata={"help": "Model family (e5, bge, ...) choosing pooling and prefix defaults; default: model name."},
     )
     pooling: str | None = field(default=None, metadata={"help": "mean or cls; default: cls for bge, mean otherwise."})
     normalize: bool = field(default=True, metadata={"help": "L2-normalise embeddings (inner product = cosine)."})
@@ -70,7 +70,7 @@ class EncoderConfig:
 
 
 class Encoder:
-    """A Hugging Face encoder with configurable pooling; ``encode_queries``/``encode_passages`` return float32 arrays."""
+    """A Hugging Face encoder with configurable pooling; ``encode_queries``/``encode_passages`` give float32 arrays."""
 
     def __init__(self, config: EncoderConfig):
         self.config = config

@@ -33,22 +33,26 @@ INDEX_TYPES = ("flat", "hnsw", "ivfpq")
 
 @dataclass
 class IndexConfig:
-    """How vectors are indexed (build time) and searched (load time)."""
+    """How vectors are indexed; fixed once the index file is written."""
 
     index_type: str = field(default="flat", metadata={"help": "flat (exact), hnsw or ivfpq.", "choices": INDEX_TYPES})
-    hnsw_m: int = field(default=32, metadata={"help": "HNSW neighbours per node (build time)."})
+    hnsw_m: int = field(default=32, metadata={"help": "HNSW neighbours per node."})
     hnsw_ef_construction: int = field(default=200, metadata={"help": "HNSW build beam width."})
-    hnsw_ef_search: int = field(default=128, metadata={"help": "HNSW search beam width; higher = better recall."})
     ivf_nlist: int | None = field(default=None, metadata={"help": "IVF lists; default 4*sqrt(passages)."})
     pq_m: int = field(default=64, metadata={"help": "PQ sub-quantisers (bytes per vector); must divide the dim."})
-    ivf_nprobe: int = field(default=64, metadata={"help": "IVF lists visited per query; higher = better recall."})
-    faiss_gpu: bool = field(default=False, metadata={"help": "Search on all visible GPUs (fp16, sharded)."})
 
     def __post_init__(self) -> None:
         if self.index_type not in INDEX_TYPES:
             raise ValueError(f"index_type must be one of {INDEX_TYPES}, got {self.index_type!r}")
-        if self.faiss_gpu and self.index_type == "hnsw":
-            raise ValueError("faiss has no GPU HNSW; use --index_type flat or ivfpq with --faiss_gpu")
+
+
+@dataclass
+class SearchConfig:
+    """How a loaded index is searched; can change at every server start."""
+
+    hnsw_ef_search: int = field(default=128, metadata={"help": "HNSW search beam width; higher = better recall."})
+    ivf_nprobe: int = field(default=64, metadata={"help": "IVF lists visited per query; higher = better recall."})
+    faiss_gpu: bool = field(default=False, metadata={"help": "Search on all visible GPUs (fp16, sharded)."})
 
 
 def new_index(dim: int, num_vectors: int, config: IndexConfig) -> faiss.Index:
@@ -62,19 +66,29 @@ def new_index(dim: int, num_vectors: int, config: IndexConfig) -> faiss.Index:
     if dim % config.pq_m:
         raise ValueError(f"pq_m must divide the embedding dim {dim}, got {config.pq_m}")
     nlist = config.ivf_nlist or max(1, int(4 * math.sqrt(num_vectors)))
-    return faiss.index_factory(dim, f"IVF{nlist},PQ{config.pq_m}x8", faiss.METRIC_INNER_PRODUCT)
+    index = faiss.index_factory(dim, f"IVF{nlist},PQ{config.pq_m}x8", faiss.METRIC_INNER_PRODUCT)
+    # Polysemous training only serves Hamming-filtered search, which we never use, and it dominates training time.
+    index.do_polysemous_training = False
+    return index
 
 
-def load_index(path: str, config: IndexConfig) -> faiss.Index:
-    """Read an index file and apply the search-time settings, moving it to the GPUs if asked."""
-    index = faiss.read_index(path)
+def configure_search(index: faiss.Index, config: SearchConfig) -> faiss.Index:
+    """Apply the search-time settings of a CPU index (in place); returns it."""
     if isinstance(index, faiss.IndexHNSW):
         index.hnsw.efSearch = config.hnsw_ef_search
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         ivf.nprobe = config.ivf_nprobe
+    return index
+
+
+def load_index(path: str, config: SearchConfig) -> faiss.Index:
+    """Read an index file and apply the search-time settings, moving it to the GPUs if asked."""
+    index = configure_search(faiss.read_index(path), config)
     if not config.faiss_gpu:
         return index
+    if isinstance(index, faiss.IndexHNSW):
+        raise ValueError(f"{path} is an HNSW index, which faiss cannot search on GPU; drop --faiss_gpu")
     if not hasattr(faiss, "index_cpu_to_all_gpus") or faiss.get_num_gpus() == 0:
         raise RuntimeError("--faiss_gpu needs the faiss-gpu package and at least one visible GPU")
     options = faiss.GpuMultipleClonerOptions()

@@ -11,16 +11,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import faiss
 import numpy as np
+import torch
 
 from retriever_server.encoder import Encoder, EncoderConfig
-from retriever_server.index import Corpus, IndexConfig, load_index
+from retriever_server.index import Corpus, SearchConfig, load_index
 
 logger = logging.getLogger(__name__)
 
 
+def set_cpu_threads(threads: int | None) -> None:
+    """Cap the threads torch and faiss use on CPU (None keeps their default, one per core).
+
+    On cores shared with other busy processes, every parallel region waits for its slowest thread to be scheduled,
+    so fewer threads than cores can be several times faster there.
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+        faiss.omp_set_num_threads(threads)
+
+
 def meta_path(index_path: str) -> Path:
-    """Sidecar written by the builder: how the vectors were made, so the server can refuse a mismatched corpus."""
+    """Sidecar written by the builder: how the passages were encoded, so the server can warn if queries differ."""
     return Path(f"{index_path}.json")
 
 
@@ -43,7 +56,7 @@ class Retriever:
 
     @classmethod
     def from_paths(cls, index_path: str, corpus_path: str, encoder_config: EncoderConfig,
-                   index_config: IndexConfig) -> "Retriever":
+                   search_config: SearchConfig) -> "Retriever":
         meta = meta_path(index_path)
         if meta.exists():
             built_with = json.loads(meta.read_text())["encoder"]
@@ -54,7 +67,7 @@ class Retriever:
                     old, new = Path(str(old).rstrip("/")).name, Path(new.rstrip("/")).name
                 if old != new:
                     logger.warning("index was built with %s=%r but the server encodes queries with %r", key, old, new)
-        return cls(Encoder(encoder_config), load_index(index_path, index_config), Corpus.load(corpus_path))
+        return cls(Encoder(encoder_config), load_index(index_path, search_config), Corpus.load(corpus_path))
 
     def search(self, queries: list[str], topks: Sequence[int]) -> list[Hits]:
         """Top ``topks[i]`` documents for ``queries[i]``; a query gets fewer only if the index holds fewer."""

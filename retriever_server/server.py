@@ -28,9 +28,9 @@ from transformers import HfArgumentParser
 
 from retriever_server.batching import BatcherConfig, MicroBatcher, QueueFull
 from retriever_server.encoder import EncoderConfig
-from retriever_server.index import IndexConfig
+from retriever_server.index import SearchConfig
 from retriever_server.metrics import Metrics
-from retriever_server.retriever import Hits, Retriever
+from retriever_server.retriever import Hits, Retriever, set_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class ServerConfig:
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "Largest request body, checked before parsing."})
     host: str = field(default="127.0.0.1", metadata={"help": "Interface to bind (0.0.0.0 to serve other hosts)."})
     port: int = field(default=8000, metadata={"help": "Port to listen on."})
+    cpu_threads: int | None = field(default=None, metadata={"help": "torch/faiss CPU threads (default: all cores)."})
 
     def __post_init__(self) -> None:
         if not 1 <= self.topk <= self.max_topk:
@@ -162,10 +163,11 @@ def create_app(retriever: Retriever, config: ServerConfig, batcher_config: Batch
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[retriever] %(message)s")
-    parser = HfArgumentParser([ServerConfig, EncoderConfig, IndexConfig, BatcherConfig], description=__doc__)
-    config, encoder_config, index_config, batcher_config = parser.parse_args_into_dataclasses(args=argv)
+    parser = HfArgumentParser([ServerConfig, EncoderConfig, SearchConfig, BatcherConfig], description=__doc__)
+    config, encoder_config, search_config, batcher_config = parser.parse_args_into_dataclasses(args=argv)
+    set_cpu_threads(config.cpu_threads)
     start = time.monotonic()
-    retriever = Retriever.from_paths(config.index_path, config.corpus_path, encoder_config, index_config)
+    retriever = Retriever.from_paths(config.index_path, config.corpus_path, encoder_config, search_config)
     logger.info("loaded %d passages in %.1fs; serving on http://%s:%d", len(retriever.corpus),
                 time.monotonic() - start, config.host, config.port)
     app = create_app(retriever, config, batcher_config)

@@ -1,0 +1,143 @@
+"""The pieces under the retrieval server, in process: encoder defaults, the three index types, the resumable
+index builder and the consistency checks that keep a server from serving the wrong corpus.
+"""
+
+from __future__ import annotations
+
+import json
+
+import faiss
+import numpy as np
+import pytest
+
+from retriever_server.build_index import BuildConfig, build, shards_dir
+from retriever_server.encoder import Encoder, EncoderConfig
+from retriever_server.index import Corpus, IndexConfig, SearchConfig, load_index, new_index
+from retriever_server.retriever import Retriever
+
+
+@pytest.mark.parametrize(("model", "name", "pooling", "query_prefix", "passage_prefix"), [
+    ("intfloat/e5-base-v2", None, "mean", "query: ", "passage: "),
+    ("/models/my-checkpoint", "e5", "mean", "query: ", "passage: "),
+    ("BAAI/bge-large-en-v1.5", None, "cls", "", ""),
+    ("/cache/all-MiniLM-L6-v2", None, "mean", "", ""),
+])
+def test_encoder_defaults_follow_the_model_family(model, name, pooling, query_prefix, passage_prefix):
+    config = EncoderConfig(retriever_model=model, retriever_name=name)
+    assert (config.pooling, config.query_prefix, config.passage_prefix) == (pooling, query_prefix, passage_prefix)
+
+
+def test_explicit_encoder_settings_override_the_family_defaults():
+    config = EncoderConfig(retriever_model="intfloat/e5-base-v2", pooling="cls", query_prefix="", passage_prefix="")
+    assert (config.pooling, config.query_prefix, config.passage_prefix) == ("cls", "", "")
+
+
+def test_unknown_pooling_is_refused_by_name():
+    with pytest.raises(ValueError, match="pooling must be one of .* got 'max'"):
+        EncoderConfig(retriever_model="m", pooling="max")
+
+
+def clustered_unit_vectors(n: int, dim: int) -> np.ndarray:
+    """Vectors around 32 centres, like real embeddings (uniform noise is the worst case for IVF and PQ)."""
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(32, dim))
+    x = centres[rng.integers(0, 32, n)] + 0.3 * rng.normal(size=(n, dim))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.parametrize(("config", "min_recall"), [
+    (IndexConfig(), 1.0),
+    (IndexConfig(index_type="hnsw", hnsw_m=16), 0.95),
+    (IndexConfig(index_type="ivfpq", ivf_nlist=16, pq_m=8), 0.8),  # 8 bytes a vector: lossy by design
+], ids=["flat", "hnsw", "ivfpq"])
+def test_every_index_type_finds_a_vector_from_itself_after_a_round_trip(config, min_recall, tmp_path):
+    vectors = clustered_unit_vectors(3000, 32)
+    index = new_index(32, len(vectors), config)
+    if not index.is_trained:
+        index.train(vectors)
+    index.add(vectors)
+    faiss.write_index(index, str(tmp_path / "index.faiss"))
+
+    loaded = load_index(str(tmp_path / "index.faiss"), SearchConfig(ivf_nprobe=16))
+    _, found = loaded.search(vectors[:200], 10)
+
+    assert (found == np.arange(200)[:, None]).any(axis=1).mean() >= min_recall
+
+
+def test_an_hnsw_index_is_refused_on_gpu_by_name(tmp_path):
+    index = new_index(8, 10, IndexConfig(index_type="hnsw"))
+    faiss.write_index(index, str(tmp_path / "hnsw.faiss"))
+
+    with pytest.raises(ValueError, match="hnsw.faiss is an HNSW index, which faiss cannot search on GPU"):
+        load_index(str(tmp_path / "hnsw.faiss"), SearchConfig(faiss_gpu=True))
+
+
+def test_corpus_take_returns_whole_rows_in_the_order_asked(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "contents": f"T{i}\ntext {i}"}) + "\n" for i in range(5)))
+
+    corpus = Corpus.load(str(path))
+
+    assert len(corpus) == 5
+    assert corpus.take(np.array([[3, 0], [4, 3]])) == [
+        {"id": "3", "contents": "T3\ntext 3"}, {"id": "0", "contents": "T0\ntext 0"},
+        {"id": "4", "contents": "T4\ntext 4"}, {"id": "3", "contents": "T3\ntext 3"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def small_corpus(squad_dev_sample, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("small") / "corpus.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in squad_dev_sample[0][:24]))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def built(small_corpus, offline_assets, tmp_path_factory) -> tuple[BuildConfig, EncoderConfig]:
+    """A flat index of the 24-passage corpus, its embedding shards kept (3 shards of 8)."""
+    index_path = str(tmp_path_factory.mktemp("built") / "index.faiss")
+    config = BuildConfig(corpus_path=small_corpus, index_path=index_path, shard_size=8, keep_embeddings=True)
+    encoder_config = EncoderConfig(retriever_model=offline_assets.embedder)
+    build(config, encoder_config, IndexConfig())
+    return config, encoder_config
+
+
+def test_build_resumes_from_the_shards_already_written(built):
+    config, encoder_config = built
+    folder = shards_dir(config.index_path)
+    kept = {p: p.stat().st_mtime_ns for p in folder.glob("shard_*.npy") if p.name != "shard_000001.npy"}
+    (folder / "shard_000001.npy").unlink()
+
+    build(config, encoder_config, IndexConfig())
+
+    assert sorted(p.name for p in folder.glob("shard_*.npy")) == [f"shard_00000{i}.npy" for i in range(3)]
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept
+    assert faiss.read_index(config.index_path).ntotal == 24
+
+
+def test_shards_of_another_encoder_are_refused_not_mixed(built):
+    config, encoder_config = built
+    other = EncoderConfig(retriever_model=encoder_config.retriever_model, pooling="cls")
+
+    with pytest.raises(RuntimeError, match="holds shards of another build"):
+        build(config, other, IndexConfig())
+
+
+def test_a_query_gets_fewer_documents_only_when_the_corpus_holds_fewer(built):
+    config, encoder_config = built
+    retriever = Retriever.from_paths(config.index_path, config.corpus_path, encoder_config, SearchConfig())
+
+    hits = retriever.search(["Super Bowl 50", "Denver Broncos", "Denver Broncos"], [30, 2, 24])
+
+    assert [len(h.documents) for h in hits] == [24, 2, 24] and [len(h.scores) for h in hits] == [24, 2, 24]
+    assert hits[1].documents == hits[2].documents[:2]  # in a shared batch, a smaller topk is a prefix
+
+
+def test_retriever_refuses_an_index_built_from_another_corpus(built):
+    config, encoder_config = built
+    encoder = Encoder(encoder_config)
+    index = faiss.IndexFlatIP(encoder.dim)
+    index.add(np.zeros((3, encoder.dim), dtype=np.float32))
+
+    with pytest.raises(ValueError, match="index has 3 vectors but the corpus has 24 passages"):
+        Retriever(encoder, index, Corpus.load(config.corpus_path))
