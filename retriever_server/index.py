@@ -53,6 +53,12 @@ class SearchConfig:
     hnsw_ef_search: int = field(default=128, metadata={"help": "HNSW search beam width; higher = better recall."})
     ivf_nprobe: int = field(default=64, metadata={"help": "IVF lists visited per query; higher = better recall."})
     faiss_gpu: bool = field(default=False, metadata={"help": "Search on all visible GPUs (fp16, sharded)."})
+    gpu_backend: str = field(
+        default="faiss",
+        metadata={"help": "GPU search engine for a flat index: faiss (needs faiss-gpu) or torch (exact fp16 matmul "
+                          "+ top-k in PyTorch, for CUDA versions faiss-gpu wheels do not cover).",
+                  "choices": ("faiss", "torch")},
+    )
 
 
 def new_index(dim: int, num_vectors: int, config: IndexConfig) -> faiss.Index:
@@ -89,12 +95,59 @@ def load_index(path: str, config: SearchConfig) -> faiss.Index:
         return index
     if isinstance(index, faiss.IndexHNSW):
         raise ValueError(f"{path} is an HNSW index, which faiss cannot search on GPU; drop --faiss_gpu")
+    if config.gpu_backend == "torch":
+        if not isinstance(index, faiss.IndexFlat):
+            raise ValueError(f"{path} is not a flat index; --gpu_backend torch searches flat indexes only")
+        return TorchFlatIndex.from_vectors(index.reconstruct_n(0, index.ntotal))
     if not hasattr(faiss, "index_cpu_to_all_gpus") or faiss.get_num_gpus() == 0:
         raise RuntimeError("--faiss_gpu needs the faiss-gpu package and at least one visible GPU")
     options = faiss.GpuMultipleClonerOptions()
     options.shard = True
     options.useFloat16 = True
     return faiss.index_cpu_to_all_gpus(index, co=options)
+
+
+class TorchFlatIndex:
+    """Exact inner-product search on every visible GPU: fp16 vectors sharded by rows, one matmul + top-k per shard
+    chunk, merged on the first GPU. Same ``ntotal`` / ``search(x, k) -> (scores, rows)`` interface as faiss.
+
+    Per batch it reads the whole index once, so small batches are bound by memory bandwidth (21M x 768 fp16 =
+    32 GB per pass) and large ones by matmul throughput; chunking keeps the score matrix small.
+    """
+
+    def __init__(self, shards: list, chunk_rows: int = 1 << 20):
+        self.shards = shards
+        self.offsets = np.cumsum([0] + [len(s) for s in shards])[:-1].tolist()
+        self.ntotal = int(sum(len(s) for s in shards))
+        self.d = int(shards[0].shape[1])
+        self.chunk_rows = chunk_rows
+
+    @classmethod
+    def from_vectors(cls, vectors, devices: list | None = None) -> "TorchFlatIndex":
+        """Shard ``vectors`` (numpy or torch, n x d) row-wise over ``devices`` (default: every visible GPU)."""
+        import torch
+
+        devices = devices or [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        if not devices:
+            raise RuntimeError("--gpu_backend torch needs at least one visible GPU")
+        vectors = torch.as_tensor(vectors)
+        bounds = np.linspace(0, len(vectors), len(devices) + 1).astype(int)
+        return cls([vectors[a:b].to(device, torch.float16) for a, b, device in zip(bounds, bounds[1:], devices)])
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        import torch
+
+        best_scores, best_rows = [], []
+        for shard, offset in zip(self.shards, self.offsets):
+            x = torch.as_tensor(queries, device=shard.device).to(torch.float16)
+            for start in range(0, len(shard), self.chunk_rows):
+                scores = x @ shard[start:start + self.chunk_rows].T
+                top = scores.topk(min(k, scores.shape[1]), dim=1)
+                best_scores.append(top.values.float().to(self.shards[0].device))
+                best_rows.append((top.indices + offset + start).to(self.shards[0].device))
+        scores, rows = torch.cat(best_scores, 1), torch.cat(best_rows, 1)
+        top = scores.topk(min(k, scores.shape[1]), dim=1)
+        return top.values.cpu().numpy(), rows.gather(1, top.indices).cpu().numpy()
 
 
 class Corpus:

@@ -12,7 +12,7 @@ import pytest
 
 from retriever_server.build_index import BuildConfig, build, shards_dir
 from retriever_server.encoder import Encoder, EncoderConfig
-from retriever_server.index import Corpus, IndexConfig, SearchConfig, load_index, new_index
+from retriever_server.index import Corpus, IndexConfig, SearchConfig, TorchFlatIndex, load_index, new_index
 from retriever_server.retriever import Retriever
 
 
@@ -141,3 +141,23 @@ def test_retriever_refuses_an_index_built_from_another_corpus(built):
 
     with pytest.raises(ValueError, match="index has 3 vectors but the corpus has 24 passages"):
         Retriever(encoder, index, Corpus.load(config.corpus_path))
+
+
+def test_torch_flat_index_finds_what_faiss_finds_across_shards_and_chunks():
+    import torch
+
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((5000, 32)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    queries = vectors[[3, 2600, 4999]]
+    exact = faiss.IndexFlatIP(32)
+    exact.add(vectors)
+    scores, rows = exact.search(queries, 3)
+    # Two shards (as on two GPUs), each scanned in chunks of 1000 rows; CPU tensors stand in for device memory.
+    index = TorchFlatIndex([torch.as_tensor(vectors[:2500]).half(), torch.as_tensor(vectors[2500:]).half()],
+                           chunk_rows=1000)
+    torch_scores, torch_rows = index.search(queries, 3)
+    assert index.ntotal == 5000
+    np.testing.assert_array_equal(torch_rows, rows)
+    assert torch_rows[:, 0].tolist() == [3, 2600, 4999]
+    np.testing.assert_allclose(torch_scores, scores, atol=2e-3)
