@@ -90,6 +90,7 @@ class VLLMServerGenerator(Generator):
         self._http: httpx.AsyncClient | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
         self._slots: asyncio.Semaphore | None = None
+        self._lookup: asyncio.Lock | None = None
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         http, slots = self._client()
@@ -116,7 +117,13 @@ class VLLMServerGenerator(Generator):
         return _generation_from_completion(response.json(), url)
 
     async def _served_model(self, http: httpx.AsyncClient) -> str:
-        """The first model the server lists; remembered for every later request."""
+        """The first model the server lists; asked once (the first requests all wait for it), then remembered."""
+        async with self._lookup:
+            if self.model is None:
+                self.model = await self._first_listed_model(http)
+        return self.model
+
+    async def _first_listed_model(self, http: httpx.AsyncClient) -> str:
         url = f"{self.base_url}/v1/models"
         response = await http.get(url)
         if response.status_code != 200:
@@ -124,8 +131,7 @@ class VLLMServerGenerator(Generator):
         models = response.json().get("data") or []
         if not models:
             raise RuntimeError(f"GET {url} lists no served model: {response.text[:500]}")
-        self.model = models[0]["id"]
-        return self.model
+        return models[0]["id"]
 
     def _client(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         """The pooled HTTP client and the in-flight bound of the running event loop."""
@@ -135,13 +141,14 @@ class VLLMServerGenerator(Generator):
             limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
             self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
             self._slots = asyncio.Semaphore(self.max_concurrency)
+            self._lookup = asyncio.Lock()
             self._http_loop = loop
         return self._http, self._slots
 
     async def aclose(self) -> None:
         if self._http is not None and self._http_loop is asyncio.get_running_loop():
             await self._http.aclose()
-        self._http = self._http_loop = self._slots = None
+        self._http = self._http_loop = self._slots = self._lookup = None
 
 
 def _generation_from_completion(body: dict, url: str) -> Generation:

@@ -166,46 +166,79 @@ def test_sampling_params_validate_and_greedy_means_temperature_zero():
         SamplingParams(max_tokens=0)
 
 
-@pytest.fixture
-def failing_server():
-    """A loopback server that answers every request with HTTP 503."""
+class FakeCompletionsServer:
+    """A loopback stand-in for vLLM's OpenAI routes that records requests and answers with ``status``.
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self._fail()
+    200: ``GET /v1/models`` lists model "served"; ``POST /v1/completions`` returns the prompt's last two ids as the
+    generated ids with logprobs -0.5 each and finish_reason "stop".
+    """
 
-        def do_POST(self):
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self._fail()
+    def __init__(self, status: int):
+        self.requests: list[tuple[str, str, dict | None]] = []
+        fake = self
 
-        def _fail(self):
-            body = json.dumps({"error": "overloaded"}).encode()
-            self.send_response(503)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                fake.requests.append(("GET", self.path, None))
+                self._answer({"data": [{"id": "served"}]})
 
-        def log_message(self, *args):
-            pass
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append(("POST", self.path, body))
+                ids = body["prompt"][-2:]
+                self._answer({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * len(ids)},
+                                           "finish_reason": "stop"}]})
 
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+            def _answer(self, payload):
+                body = json.dumps(payload if status == 200 else {"error": "overloaded"}).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def test_vllm_http_failures_name_the_url_and_status(failing_server):
-    async def generate(model):
-        generator = VLLMServerGenerator(failing_server, model=model)
+def vllm_generate(url, prompts, model=None):
+    async def main():
+        generator = VLLMServerGenerator(url, model=model)
         try:
-            return await generator.generate([1, 2, 3], SamplingParams.greedy(4))
+            return await asyncio.gather(*(generator.generate(p, SamplingParams(0.7, 0.9, 4)) for p in prompts))
         finally:
             await generator.aclose()
 
-    with pytest.raises(RuntimeError, match=rf"POST {failing_server}/v1/completions failed with HTTP 503"):
-        asyncio.run(generate("served-name"))
-    with pytest.raises(RuntimeError, match=rf"GET {failing_server}/v1/models failed with HTTP 503"):
-        asyncio.run(generate(None))
+    return asyncio.run(main())
+
+
+def test_vllm_client_sends_token_ids_and_reads_token_ids_logprobs_and_finish_reason():
+    fake = FakeCompletionsServer(200)
+
+    generations = vllm_generate(fake.url, PROMPTS)
+
+    assert [g.token_ids for g in generations] == [p[-2:] for p in PROMPTS]
+    assert all(g.logprobs == [-0.5, -0.5] and g.finish_reason == "stop" for g in generations)
+    gets = [r for r in fake.requests if r[0] == "GET"]
+    posts = [r[2] for r in fake.requests if r[0] == "POST"]
+    assert gets == [("GET", "/v1/models", None)]  # asked once, though every first request needed the name
+    assert sorted(p["prompt"] for p in posts) == sorted(PROMPTS)
+    assert {(p["model"], p["max_tokens"], p["temperature"], p["top_p"], p["top_k"], p["return_token_ids"])
+            for p in posts} == {("served", 4, 0.7, 0.9, 0, True)}
+    fake.server.shutdown()
+
+
+def test_vllm_http_failures_name_the_url_and_status():
+    fake = FakeCompletionsServer(503)
+
+    with pytest.raises(RuntimeError, match=rf"POST {fake.url}/v1/completions failed with HTTP 503"):
+        vllm_generate(fake.url, PROMPTS[:1], model="served")
+    with pytest.raises(RuntimeError, match=rf"GET {fake.url}/v1/models failed with HTTP 503"):
+        vllm_generate(fake.url, PROMPTS[:1])
+    fake.server.shutdown()
 
 
 def test_vllm_generator_rejects_a_url_that_is_not_http():
