@@ -63,7 +63,7 @@ def policy_update(args, peak_tflops: float, work: Path) -> dict:
         eval_strategy="no", report_to="none", activation_checkpointing=args.activation_checkpointing,
         max_steps=args.steps, learning_rate=1e-6,
     )
-    model = random_model(args.model, dtype="float32", device="cuda", attn_implementation=args.attn)
+    model = random_model(args.model, dtype=args.dtype, device="cuda", attn_implementation=args.attn)
     params = sum(p.numel() for p in model.parameters())
     from transformers import AutoTokenizer
 
@@ -71,6 +71,8 @@ def policy_update(args, peak_tflops: float, work: Path) -> dict:
     trainer.create_optimizer_and_scheduler(num_training_steps=args.steps)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which this loop stands in for
     inputs = synthetic_batch(args.batch, args.seq, args.prompt, model.config.vocab_size, "cuda")
+    if args.activation_checkpointing:  # Trainer.train() would do this; this loop stands in for it
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -87,7 +89,7 @@ def policy_update(args, peak_tflops: float, work: Path) -> dict:
     tokens_per_s = args.batch * args.seq / step_s
     return {
         "measure": "policy_update", "model": args.model, "params_b": round(params / 1e9, 3), "batch": args.batch,
-        "seq": args.seq, "attn": args.attn, "activation_checkpointing": args.activation_checkpointing,
+        "seq": args.seq, "attn": args.attn, "dtype": args.dtype, "activation_checkpointing": args.activation_checkpointing,
         "step_s": round(step_s, 3), "tokens_per_s": round(tokens_per_s), "peak_mem_gib":
         round(torch.cuda.max_memory_allocated() / 2**30, 1), "mfu": round(6 * params * tokens_per_s / 1e12 / peak_tflops, 3),
         "peak_bf16_tflops": round(peak_tflops),
@@ -124,6 +126,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--dtype", default="float32", help="weight dtype (float32 = fp32 master weights + bf16 autocast)")
     parser.add_argument("--activation_checkpointing", action="store_true")
     parser.add_argument("--generation", action="store_true", help="also measure in-process generation")
     parser.add_argument("--gen_batch", type=int, default=64)

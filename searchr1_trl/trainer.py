@@ -68,7 +68,6 @@ class SearchR1Config(GRPOConfig):
     save_steps: float = field(default=50, metadata={"help": "Checkpoint every this many optimizer steps."})
     save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept on disk."})
     logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
-    report_to: str | list[str] = field(default="none", metadata={"help": "wandb, tensorboard, trackio, ..."})
     # The question stream restores its own position from the checkpoint; replaying batches would double-skip.
     ignore_data_skip: bool = field(default=True, metadata={"help": "Keep True: the stream resumes from its state."})
 
