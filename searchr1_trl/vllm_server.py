@@ -38,6 +38,9 @@ class VLLMServerConfig:
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "Fraction of GPU memory vLLM may take."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "Generator tensor parallel size."})
     dtype: str = field(default="auto", metadata={"help": "Weight dtype."})
+    enforce_eager: bool = field(
+        default=False, metadata={"help": "Skip graph compilation: starts faster on CPU, generates a bit slower."}
+    )
     cpu_kv_cache_gib: int = field(default=2, metadata={"help": "VLLM_CPU_KVCACHE_SPACE on CPU builds (GiB)."})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "How long to wait for /health."})
     log_file: str | None = field(default=None, metadata={"help": "Where the server's output goes (default: inherit)."})
@@ -54,6 +57,7 @@ class VLLMServerConfig:
             "--gpu_memory_utilization", str(self.gpu_memory_utilization),
             "--tensor_parallel_size", str(self.tensor_parallel_size),
             "--dtype", self.dtype,
+            *(["--enforce_eager", "true"] if self.enforce_eager else []),
         ]
 
 
