@@ -130,11 +130,22 @@ def model_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0]
 
 
-@pytest.fixture(scope="module")
-def stack_trainer(offline_assets, vllm_server, retriever_url, questions_file, tmp_path_factory):
-    """A trainer on the offline model, generating on the real vLLM server and searching the real retriever."""
-    args = small_config(tmp_path_factory.mktemp("stack"), questions_file, retriever_url, learning_rate=1e-4,
-                        vllm_server_base_url=vllm_server.base_url, generator="vllm", weight_sync="reload")
+@pytest.fixture
+def masking_trainer(tiny_model_dir, vllm_server, retriever_url, questions_file, tmp_path):
+    """Real multi-turn rollouts (offline model on the vLLM server, real retriever) scored by a tiny policy: which
+    tokens count in the loss does not depend on the policy's size, and a tiny one keeps the test fast."""
+    args = small_config(tmp_path, questions_file, retriever_url, vllm_server_base_url=vllm_server.base_url,
+                        generator="vllm", weight_sync="reload")
+    return SearchR1Trainer(model=str(tiny_model_dir), args=args)
+
+
+@pytest.fixture
+def stack_trainer(offline_assets, vllm_server, retriever_url, questions_file, tmp_path):
+    """A trainer on the offline model itself, generating on the real vLLM server and searching the real retriever;
+    one question x 2 short single-turn rollouts so a CPU step stays short."""
+    args = small_config(tmp_path, questions_file, retriever_url, learning_rate=1e-4, gradient_accumulation_steps=1,
+                        max_turns=1, max_tokens_per_turn=16, vllm_server_base_url=vllm_server.base_url,
+                        generator="vllm", weight_sync="reload")
     trainer = SearchR1Trainer(model=offline_assets.model, args=args,
                               reward_funcs=[args.rubric(), model_tokens_reward])
     yield trainer
@@ -142,8 +153,8 @@ def stack_trainer(offline_assets, vllm_server, retriever_url, questions_file, tm
 
 
 @pytest.mark.slow
-def test_tool_tokens_never_enter_the_loss(stack_trainer):
-    trainer = stack_trainer
+def test_tool_tokens_never_enter_the_loss(masking_trainer):
+    trainer = masking_trainer
     batch = next(iter(trainer.get_train_dataloader()))
     inputs = trainer._generate_and_score_completions(batch)
     env = inputs["tool_mask"] * inputs["completion_mask"] == 0
