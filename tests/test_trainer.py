@@ -105,6 +105,7 @@ def small_config(tmp_path, questions_file, retriever_url, **overrides) -> Search
         eval_data_source=None, eval_num_samples=4, eval_strategy="no", save_strategy="no", search_url=retriever_url,
         weight_sync_dir=str(tmp_path / "generator_weights"), warmup_steps=0, report_to="none",
         bare_json_tool_calls=True,
+        model_init_kwargs={"dtype": "float32"},  # the checkpoints are bf16, which CPUs without AMX crawl through
     )
     values.update(overrides)
     return SearchR1Config(**values)
@@ -136,7 +137,7 @@ def masking_trainer(tiny_model_dir, vllm_server, retriever_url, questions_file, 
     tokens count in the loss does not depend on the policy's size, and a tiny one keeps the test fast."""
     args = small_config(tmp_path, questions_file, retriever_url, vllm_server_base_url=vllm_server.base_url,
                         generator="vllm", weight_sync="reload")
-    return SearchR1Trainer(model=str(tiny_model_dir), args=args)
+    return SearchR1Trainer(model=str(tiny_model_dir), args=args, reward_funcs=[args.rubric(), model_tokens_reward])
 
 
 @pytest.fixture
