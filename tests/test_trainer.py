@@ -105,7 +105,7 @@ def small_config(tmp_path, questions_file, retriever_url, **overrides) -> Search
         eval_data_source=None, eval_num_samples=4, eval_strategy="no", save_strategy="no", search_url=retriever_url,
         weight_sync_dir=str(tmp_path / "generator_weights"), warmup_steps=0, report_to="none",
         bare_json_tool_calls=True,
-        model_init_kwargs={"dtype": "float32"},  # the checkpoints are bf16, which CPUs without AMX crawl through
+        bf16=False,  # transformers 5 defaults to bf16 autocast; CPUs without AMX run bf16 matmuls ~100x slower
     )
     values.update(overrides)
     return SearchR1Config(**values)
