@@ -184,17 +184,20 @@ def test_a_grpo_step_through_the_whole_stack_changes_the_weights_and_syncs_them(
     )["input_ids"]
     before_weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     before = server_logprobs(vllm_server.base_url, offline_assets.model, probe)
+    original = model_logprobs(trainer.model, probe)
     trainer.train()
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before_weights[n])]
     assert len(changed) > 0.5 * len(before_weights)
-    assert trainer.state.log_history[0]["rollout/searches_per_rollout"] >= 0
+    assert trainer.state.log_history[0]["rollout/turns_per_rollout"] == 1
 
     trainer.push_weights_to_generator()
     after = server_logprobs(vllm_server.base_url, offline_assets.model, probe)
     trained = model_logprobs(trainer.model, probe)
-    # The server runs bf16, the trainer fp32: they agree to bf16 precision, and both moved away from the start.
-    assert (after - trained).abs().mean() < 0.05
-    assert (after - before).abs().mean() > 4 * (after - trained).abs().mean()
+    # The server computes in bf16 with bf16-rounded weights, the trainer in fp32, so they never agree exactly; but
+    # the server must have moved the way the trainer moved, and by about as much.
+    server_change, trainer_change = after - before, trained - original
+    assert torch.corrcoef(torch.stack([server_change, trainer_change]))[0, 1] > 0.9
+    assert 0.5 < server_change.abs().mean() / trainer_change.abs().mean() < 2.0
 
 
 class RecordingStream(SearchR1Dataset):
