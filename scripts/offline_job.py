@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import torch
 import yaml
 
 from searchr1_trl.assets import prepare
@@ -107,7 +108,9 @@ def main() -> None:
     index.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", data["corpus"],
                     "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)
-    generator = VLLMServerConfig(model=assets.model, port=args.generator_port, log_file=str(out / "vllm.log"))
+    # On CPU, vLLM's graph compilation costs minutes of start-up for little gain at this size.
+    generator = VLLMServerConfig(model=assets.model, port=args.generator_port, log_file=str(out / "vllm.log"),
+                                 enforce_eager=not torch.cuda.is_available())
     recipe = yaml.safe_load((ROOT / "configs" / f"{args.config}.yaml").read_text())
     uses_vllm = recipe.get("generator", "vllm") == "vllm"
     with contextlib.ExitStack() as servers:
