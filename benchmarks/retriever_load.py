@@ -29,6 +29,7 @@ import httpx
 import numpy as np
 import pandas as pd
 
+from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import cache_dir, require
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,27 +68,6 @@ def prepare_index(corpus_path: str, retriever_model: str, max_passages: int | No
                         "--retriever_model", retriever_model, "--index_path", str(index), *build_flags],
                        check=True, cwd=REPO)
     return index, corpus
-
-
-def start_server(index: Path, corpus: Path, retriever_model: str, port: int, extra: list[str], log: Path):
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "retriever_server.server", "--index_path", str(index), "--corpus_path", str(corpus),
-             "--retriever_model", retriever_model, "--port", str(port), *extra],
-            stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-        )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise TimeoutError(f"server not healthy after 300s:\n{log.read_text()[-3000:]}")
 
 
 class Connection:
@@ -150,14 +130,10 @@ def bench(mode: str, index: Path, corpus: Path, questions: list[str], threads: l
     port = args.port
     flags = ["--batching" if mode == "on" else "--no_batching", "--max_batch_size", str(args.max_batch_size),
              "--max_wait_ms", str(args.max_wait_ms), *threads]
-    process = start_server(index, corpus, args.retriever_model, port, flags, index.parent / f"server-{mode}.log")
-    try:
-        base = f"http://127.0.0.1:{port}"
+    with RetrieverProcess(index_path=str(index), corpus_path=str(corpus), retriever_model=args.retriever_model,
+                          port=port, log_file=str(index.parent / f"server-{mode}.log"), extra_args=tuple(flags)):
         latencies, errors = asyncio.run(run_load(port, questions, args))
-        server = httpx.get(f"{base}/metrics").json()
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+        server = httpx.get(f"http://127.0.0.1:{port}/metrics").json()
     return LoadResult(mode, len(latencies), errors, args.duration_s, np.asarray(latencies), server)
 
 
