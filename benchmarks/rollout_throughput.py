@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(result.line(), flush=True)
                 del model, generator
             if {"vllm", "trl"} & set(args.backends):
-                server_config = VLLMServerConfig(model=assets.model, port=free_port(), max_model_len=4096,
-                                                 log_file=str(work / "vllm.log"))
+                server_config = VLLMServerConfig.for_this_machine(assets.model, port=free_port(), max_model_len=4096,
+                                                                  log_file=str(work / "vllm.log"))
                 with contextlib.ExitStack() as stack:
                     base_url = args.vllm_base_url or stack.enter_context(VLLMServer(server_config)).base_url
                     if "vllm" in args.backends:

@@ -8,9 +8,9 @@ reward/EM curves (PNG) and a summary -> servers stopped.
     python scripts/offline_job.py --config offline_gpu --output_dir runs/offline_gpu --corpus full   # one GPU
 
 On a 2-core CPU the whole SQuAD-open corpus (31k passages) takes ~12 minutes to embed, so the job indexes a slice
-that still holds every answer it asks about: all SQuAD dev paragraphs (validation), the paragraphs of the first
-``--train_articles`` SQuAD train articles (training questions come only from those), and Wikipedia leads as
-distractors.
+that still holds every answer it asks about: the paragraphs of the first ``--test_articles`` SQuAD dev articles
+(validation questions come only from those), of the first ``--train_articles`` SQuAD train articles (training
+questions come only from those), and Wikipedia leads as distractors.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import pandas as pd
-import torch
 import yaml
 
 from searchr1_trl.assets import prepare
@@ -36,13 +35,16 @@ ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("offline_job")
 
 
-def slice_data(assets, out: Path, train_articles: int, distractors: int) -> dict[str, str]:
+def slice_data(assets, out: Path, train_articles: int, test_articles: int, distractors: int) -> dict[str, str]:
     """Corpus, train and test files restricted to the articles the job asks about (see module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
     train = pd.read_parquet(assets.train_questions)
     test = pd.read_parquet(assets.test_questions)
-    titles = set(list(dict.fromkeys(train["title"]))[:train_articles]) | set(test["title"])
-    train = train[train["title"].isin(titles)]
+    train_titles = set(list(dict.fromkeys(train["title"]))[:train_articles])
+    test_titles = set(list(dict.fromkeys(test["title"]))[:test_articles])
+    titles = train_titles | test_titles
+    train = train[train["title"].isin(train_titles)]
+    test = test[test["title"].isin(test_titles)]
     kept, leads = [], 0
     with open(assets.corpus) as f:
         for line in f:
@@ -57,7 +59,8 @@ def slice_data(assets, out: Path, train_articles: int, distractors: int) -> dict
     Path(paths["corpus"]).write_text("".join(kept))
     train.to_parquet(paths["train"], index=False)
     test.to_parquet(paths["test"], index=False)
-    logger.info("corpus slice: %d passages; %d train questions from %d articles", len(kept), len(train), train_articles)
+    logger.info("corpus slice: %d passages; %d train questions from %d articles, %d test questions from %d",
+                len(kept), len(train), train_articles, len(test), test_articles)
     return paths
 
 
@@ -90,8 +93,10 @@ def main() -> None:
     parser.add_argument("--output_dir", default="runs/offline")
     parser.add_argument("--corpus", choices=["slice", "full"], default="slice",
                         help="index a slice (CPU) or the whole SQuAD-open corpus (GPU)")
-    parser.add_argument("--train_articles", type=int, default=20)
-    parser.add_argument("--distractors", type=int, default=1000)
+    parser.add_argument("--train_articles", type=int, default=10)
+    parser.add_argument("--test_articles", type=int, default=2, help="SQuAD dev articles kept (validation is "
+                        "the first eval_num_samples questions of the slice, unshuffled)")
+    parser.add_argument("--distractors", type=int, default=500)
     parser.add_argument("--retriever_port", type=int, default=8000)
     parser.add_argument("--generator_port", type=int, default=8001)
     args, train_overrides = parser.parse_known_args()
@@ -101,16 +106,15 @@ def main() -> None:
 
     assets = prepare()
     if args.corpus == "slice":
-        data = slice_data(assets, out / "data", args.train_articles, args.distractors)
+        data = slice_data(assets, out / "data", args.train_articles, args.test_articles, args.distractors)
     else:
         data = {"corpus": assets.corpus, "train": assets.train_questions, "test": assets.test_questions}
     index = out / "data" / "index.faiss"
     index.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", data["corpus"],
                     "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)
-    # On CPU, vLLM's graph compilation costs minutes of start-up for little gain at this size.
-    generator = VLLMServerConfig(model=assets.model, port=args.generator_port, log_file=str(out / "vllm.log"),
-                                 enforce_eager=not torch.cuda.is_available())
+    generator = VLLMServerConfig.for_this_machine(assets.model, port=args.generator_port,
+                                                  log_file=str(out / "vllm.log"))
     recipe = yaml.safe_load((ROOT / "configs" / f"{args.config}.yaml").read_text())
     uses_vllm = recipe.get("generator", "vllm") == "vllm"
     with contextlib.ExitStack() as servers:

@@ -365,16 +365,34 @@ def _assistant_message(parsed: Any) -> dict | None:
     return message
 
 
+_CODE_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+
+
+def _loads_call(text: str) -> Any:
+    """The JSON value of a bare tool call as small models write it; None if it is not JSON even after repair.
+
+    Repairs the two slips Qwen2.5-Coder-0.5B makes: a Markdown code fence around the call, and one or two closing
+    braces missing at the end. ``'```json\n{"a": {"b": 1}\n```'`` -> ``{"a": {"b": 1}}``.
+    """
+    text = text.strip()
+    if fenced := _CODE_FENCE.match(text):
+        text = fenced.group(1)
+    for suffix in ("", "}", "}}"):
+        try:
+            return json.loads(text + suffix)
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
 def _bare_json_tool_call(message: dict, tool_names: set[str]) -> dict:
     """``message``, with content that is only a JSON call of one of ``tool_names`` read as that tool call.
 
-    ``'{"name": "search", "arguments": {"query": "x"}}'`` -> content ``""`` and one call of ``search``; any other
-    content (text, JSON of something else, malformed JSON) is left as it is.
+    ``'{"name": "search", "arguments": {"query": "x"}}'`` -> content ``""`` and one call of ``search``; so is the same
+    call in a code fence or missing its last braces (:func:`_loads_call`). Any other content (text, JSON of something
+    else, JSON that cannot be repaired) is left as it is.
     """
-    try:
-        call = json.loads(message["content"]) if not message.get("tool_calls") else None
-    except json.JSONDecodeError:
-        return message
+    call = _loads_call(message["content"]) if not message.get("tool_calls") else None
     if not (isinstance(call, dict) and call.get("name") in tool_names
             and isinstance(call.get("arguments", {}), (dict, str))):
         return message

@@ -37,7 +37,11 @@ class VLLMServerConfig:
     max_model_len: int = field(default=4096, metadata={"help": "Context length; bounds the KV cache per sequence."})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "Fraction of GPU memory vLLM may take."})
     tensor_parallel_size: int = field(default=1, metadata={"help": "Generator tensor parallel size."})
-    dtype: str = field(default="auto", metadata={"help": "Weight dtype."})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "Weight dtype. On a CPU without bf16 matrix instructions (AVX2 only) use float32: bf16 "
+                          "matmuls fall back to reference kernels there (measured 0.5 vs 3.6 tokens/s for the 0.5B)."},
+    )
     enforce_eager: bool = field(
         default=False, metadata={"help": "Skip graph compilation: starts faster on CPU, generates a bit slower."}
     )
@@ -48,6 +52,15 @@ class VLLMServerConfig:
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @classmethod
+    def for_this_machine(cls, model: str, **overrides) -> "VLLMServerConfig":
+        """A config for a server on this machine: on a machine without CUDA, eager mode (graph compilation costs
+        minutes of start-up for little gain) and float32 (see ``dtype``)."""
+        import torch
+
+        cpu = {} if torch.cuda.is_available() else {"enforce_eager": True, "dtype": "float32"}
+        return cls(model=model, **{**cpu, **overrides})
 
     def command(self) -> list[str]:
         return [

@@ -103,9 +103,8 @@ def vllm_server(offline_assets, tmp_path_factory):
     from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    # Eager mode: graph compilation costs minutes of CPU start-up and buys little for the tests' few tokens.
-    config = VLLMServerConfig(model=offline_assets.model, port=free_port(), max_model_len=4096, log_file=str(log),
-                              enforce_eager=True, startup_timeout_s=1200)
+    config = VLLMServerConfig.for_this_machine(offline_assets.model, port=free_port(), max_model_len=4096,
+                                               log_file=str(log), startup_timeout_s=1200)
     with VLLMServer(config) as server:
         yield server
 

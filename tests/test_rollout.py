@@ -324,3 +324,26 @@ def test_the_fallback_parser_reads_hermes_tool_call_blocks():
 def test_config_rejects_budgets_that_cannot_work():
     with pytest.raises(ValueError, match="max_turns >= 1"):
         RolloutConfig(max_turns=0)
+
+
+@pytest.mark.parametrize("slip", [
+    '```json\n{"name": "lookup", "arguments": {"query": "a"}}\n```',  # in a code fence
+    '```\n{"name": "lookup", "arguments": {"query": "a"}}\n```',
+    '{"name": "lookup", "arguments": {"query": "a"}',  # last brace missing
+    '{"name": "lookup", "arguments": {"query": "a"',  # both missing
+])
+def test_bare_json_calls_with_the_small_models_slips_are_repaired(tokenizer, slip):
+    [rollout], _, _ = roll(tokenizer, {"q": [slip + "<|im_end|>", "Paris<|im_end|>"]},
+                           RolloutConfig(bare_json_tool_calls=True))
+
+    assert rollout.messages[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "lookup", "arguments": {"query": "a"}}}]
+    assert rollout.messages[-1]["content"] == "Paris"
+
+
+def test_bare_json_beyond_repair_stays_an_answer(tokenizer):
+    broken = '{"name": "lookup", "arguments": {"que'  # cut inside a string
+    [rollout], _, _ = roll(tokenizer, {"q": [broken + "<|im_end|>"]}, RolloutConfig(bare_json_tool_calls=True))
+
+    assert (rollout.status, rollout.num_tool_calls, rollout.messages[-1]["content"]) == (
+        RolloutStatus.DONE, 0, broken)
