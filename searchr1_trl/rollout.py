@@ -365,18 +365,17 @@ def _assistant_message(parsed: Any) -> dict | None:
     return message
 
 
-_CODE_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+_FENCE_OPEN = re.compile(r"^```(?:json)?\s*")
+_FENCE_CLOSE = re.compile(r"\s*```$")
 
 
 def _loads_call(text: str) -> Any:
     """The JSON value of a bare tool call as small models write it; None if it is not JSON even after repair.
 
-    Repairs the two slips Qwen2.5-Coder-0.5B makes: a Markdown code fence around the call, and one or two closing
-    braces missing at the end. ``'```json\n{"a": {"b": 1}\n```'`` -> ``{"a": {"b": 1}}``.
+    Repairs the two slips Qwen2.5-Coder-0.5B makes: Markdown code fences around the call (either or both), and one
+    or two closing braces missing at the end. ``'```json\n{"a": {"b": 1}\n```'`` -> ``{"a": {"b": 1}}``.
     """
-    text = text.strip()
-    if fenced := _CODE_FENCE.match(text):
-        text = fenced.group(1)
+    text = _FENCE_CLOSE.sub("", _FENCE_OPEN.sub("", text.strip()))
     for suffix in ("", "}", "}}"):
         try:
             return json.loads(text + suffix)
@@ -386,14 +385,18 @@ def _loads_call(text: str) -> Any:
 
 
 def _bare_json_tool_call(message: dict, tool_names: set[str]) -> dict:
-    """``message``, with content that is only a JSON call of one of ``tool_names`` read as that tool call.
+    """``message``, with content that is only a JSON tool call read as that tool call.
 
-    ``'{"name": "search", "arguments": {"query": "x"}}'`` -> content ``""`` and one call of ``search``; so is the same
-    call in a code fence or missing its last braces (:func:`_loads_call`). Any other content (text, JSON of something
-    else, JSON that cannot be repaired) is left as it is.
+    A JSON object is a call when it names one of ``tool_names``, or names anything with an ``arguments`` field: a
+    call of an unknown tool is still a call (the environment answers it with an error), not a final answer; read
+    as an answer it would end the rollout, which a policy learns to exploit when finishing pays more than a
+    budget cut. ``'{"name": "search", "arguments": {"query": "x"}}'`` -> content ``""`` and one call of ``search``;
+    so is the same call in code fences or missing its last braces (:func:`_loads_call`). Any other content (text,
+    other JSON, JSON that cannot be repaired) is left as it is.
     """
     call = _loads_call(message["content"]) if not message.get("tool_calls") else None
-    if not (isinstance(call, dict) and call.get("name") in tool_names
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)
+            and (call["name"] in tool_names or "arguments" in call)
             and isinstance(call.get("arguments", {}), (dict, str))):
         return message
     function = {"name": call["name"], "arguments": call.get("arguments", {})}

@@ -304,11 +304,20 @@ def test_bare_json_tool_calls_are_tool_calls_only_when_enabled(tokenizer):
     assert tokenizer.decode(runs(lenient, 1)[0]) == bare  # the model's own tokens, not the template's rendering
 
 
-def test_bare_json_that_names_no_tool_of_the_env_stays_an_answer(tokenizer):
-    answer = '{"name": "Paris", "arguments": {}}<|im_end|>'
-    [rollout], _, _ = roll(tokenizer, {"q": [answer]}, RolloutConfig(bare_json_tool_calls=True))
+def test_bare_json_call_of_an_unknown_tool_is_a_call_not_an_answer(tokenizer):
+    # The trained 0.5B learned to end rollouts with such a "call" when it was read as a (wrong) final answer.
+    unknown = '{"name": "tool_response", "arguments": {"query": "a"}}\n```<|im_end|>'
+    [rollout], _, _ = roll(tokenizer, {"q": [unknown, "Paris<|im_end|>"]}, RolloutConfig(bare_json_tool_calls=True))
 
-    assert (rollout.status, rollout.num_tool_calls) == (RolloutStatus.DONE, 0)
+    assert rollout.messages[1]["tool_calls"][0]["function"] == {"name": "tool_response", "arguments": {"query": "a"}}
+    assert (rollout.status, rollout.messages[-1]["content"]) == (RolloutStatus.DONE, "Paris")
+
+
+def test_bare_json_that_is_no_call_stays_an_answer(tokenizer):
+    for answer in ('{"name": "Paris"}', '["search"]', '{"answer": "Paris"}'):
+        [rollout], _, _ = roll(tokenizer, {"q": [answer + "<|im_end|>"]}, RolloutConfig(bare_json_tool_calls=True))
+        assert (rollout.status, rollout.num_tool_calls, rollout.messages[-1]["content"]) == (
+            RolloutStatus.DONE, 0, answer)
 
 
 def test_the_fallback_parser_reads_hermes_tool_call_blocks():
@@ -329,6 +338,7 @@ def test_config_rejects_budgets_that_cannot_work():
 @pytest.mark.parametrize("slip", [
     '```json\n{"name": "lookup", "arguments": {"query": "a"}}\n```',  # in a code fence
     '```\n{"name": "lookup", "arguments": {"query": "a"}}\n```',
+    '{"name": "lookup", "arguments": {"query": "a"}}\n```',  # a closing fence only
     '{"name": "lookup", "arguments": {"query": "a"}',  # last brace missing
     '{"name": "lookup", "arguments": {"query": "a"',  # both missing
 ])
