@@ -1,18 +1,22 @@
 """Search-R1 reward: exact match (EM) of the final answer against the golden answers.
 
-Pure EM 0/1 by default; two opt-in levers put the search behaviour into the gradient:
+Pure EM 0/1 by default; opt-in levers put the search behaviour and near misses into the gradient:
 
 - ``no_search_penalty`` (0.0) is subtracted from a correct answer given without any ``search`` call, so answering
   from memory earns less than answering after searching (against closed-book reward hacking);
 - ``retrieval_score`` (0.0) is partial credit when the answer is wrong or missing but a search result contained a
-  golden answer as whole words (rewards finding the fact even when the model failed to use it).
+  golden answer as whole words (rewards finding the fact even when the model failed to use it);
+- ``answer_f1`` (0.0) is partial credit for a wrong answer in proportion to its SQuAD token F1 against the best
+  golden answer. Unlike ``retrieval_score`` it pays only for what the answer says: a policy that learns to end its
+  rollouts with any text after a lucky search (observed with the offline 0.5B model) gains nothing from it.
 
 =========================================================  ===============================
 rollout                                                    reward
 =========================================================  ===============================
 correct, searched                                          ``score`` (1.0)
 correct, never searched                                    ``score - no_search_penalty``
-wrong or no answer, a search result holds a golden answer  ``retrieval_score``
+wrong or no answer                                         the larger of ``retrieval_score`` (if a search
+                                                           result holds a golden answer) and ``answer_f1 x F1``
 anything else                                              0.0
 =========================================================  ===============================
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import re
 import string
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +64,16 @@ def final_answer(messages: Sequence[dict]) -> str | None:
                 return None
             return (message.get("content") or "").strip() or None
     return None
+
+
+def token_f1(answer: str, gold: str) -> float:
+    """SQuAD token F1 of two normalised strings: ``token_f1("denver broncos team", "denver broncos")`` -> 0.8."""
+    answer_tokens, gold_tokens = answer.split(), gold.split()
+    common = sum((Counter(answer_tokens) & Counter(gold_tokens)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(answer_tokens), common / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
 
 
 def _made_search_call(messages: Sequence[dict]) -> bool:
@@ -107,11 +122,16 @@ class RewardExactMatchConfig:
         metadata={"help": "Reward of a wrong or missing answer when a search result held a golden answer "
                           "(0.0: pure EM)."},
     )
+    answer_f1: float = field(
+        default=0.0,
+        metadata={"help": "Reward of a wrong answer per unit of its token F1 against the best golden answer "
+                          "(0.0: pure EM)."},
+    )
     weight: float = field(default=1.0, metadata={"help": "Weight of this reward in the rubric's sum."})
 
 
 class RewardExactMatch:
-    """Exact match of the final answer against any golden answer, with the two levers of the module docstring."""
+    """Exact match of the final answer against any golden answer, with the levers of the module docstring."""
 
     def __init__(self, config: RewardExactMatchConfig | None = None):
         self.config = config or RewardExactMatchConfig()
@@ -126,9 +146,12 @@ class RewardExactMatch:
             if _made_search_call(messages):
                 return self.config.score
             return self.config.score - self.config.no_search_penalty
+        partial = 0.0
         if self.config.retrieval_score and _retrieval_surfaced_gold(messages, golds):
-            return self.config.retrieval_score
-        return 0.0
+            partial = self.config.retrieval_score
+        if self.config.answer_f1 and answer is not None and golds:
+            partial = max(partial, self.config.answer_f1 * max(token_f1(normalize_answer(answer), g) for g in golds))
+        return partial
 
     def __call__(self, prompts, completions, *, messages, golden_answers, status=None, **kwargs) -> list[float]:
         return [self.score(m, g) for m, g in zip(messages, golden_answers, strict=True)]

@@ -99,6 +99,7 @@ class SearchR1Config(GRPOConfig):
     # --- rubric ---
     no_search_penalty: float = field(default=0.0, metadata={"help": "Subtracted from correct answers w/o search."})
     retrieval_score: float = field(default=0.0, metadata={"help": "Reward when retrieval surfaced the gold answer."})
+    answer_f1: float = field(default=0.0, metadata={"help": "Reward of a wrong answer per unit of its token F1."})
     truncation_reward: float = field(default=0.0, metadata={"help": "Reward of a truncated rollout."})
 
     # --- generator ---
@@ -148,7 +149,8 @@ class SearchR1Config(GRPOConfig):
 
     def rubric(self) -> Rubric:
         exact_match = RewardExactMatch(
-            RewardExactMatchConfig(no_search_penalty=self.no_search_penalty, retrieval_score=self.retrieval_score)
+            RewardExactMatchConfig(no_search_penalty=self.no_search_penalty, retrieval_score=self.retrieval_score,
+                                   answer_f1=self.answer_f1)
         )
         return Rubric([exact_match], truncation_reward=self.truncation_reward)
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import zipfile
 
 import httpx
 import pytest
 
-from conftest import free_port, wait_healthy
+from conftest import free_port
+from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import SQUAD_DEV, cache_dir
 
 MAX_TOPK = 100  # the server's default --max_topk
@@ -188,21 +187,11 @@ def test_concurrent_requests_are_answered_from_merged_batches(retriever_url, bas
 def unbatched_base_url(base_url, tmp_path_factory):
     """A second server on the same index with batching off and room for only 4 queries at a time."""
     health = httpx.get(f"{base_url}/health").json()
-    port = free_port()
     log = tmp_path_factory.mktemp("unbatched") / "server.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "retriever_server.server", "--index_path", health["index_path"],
-             "--corpus_path", health["corpus_path"], "--retriever_model", health["retriever_model"],
-             "--port", str(port), "--no_batching", "--max_queued_queries", "4"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", process, 300, log)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    with RetrieverProcess(index_path=health["index_path"], corpus_path=health["corpus_path"],
+                          retriever_model=health["retriever_model"], port=free_port(), log_file=str(log),
+                          extra_args=("--no_batching", "--max_queued_queries", "4")) as server:
+        yield server.url.removesuffix("/retrieve")
 
 
 def test_with_batching_off_each_request_is_its_own_batch(unbatched_base_url):

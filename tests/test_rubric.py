@@ -14,6 +14,7 @@ from searchr1_trl.rubric import (
     Rubric,
     final_answer,
     normalize_answer,
+    token_f1,
 )
 
 QUESTION = {"role": "user", "content": "Where is the Eiffel Tower?"}
@@ -196,3 +197,26 @@ def test_without_status_nothing_counts_as_truncated():
     rewards = Rubric()(prompts=[None], completions=[None], messages=[SEARCHED_THEN_PARIS], golden_answers=[["Paris"]])
 
     assert rewards == [1.0]
+
+
+def test_token_f1_follows_squad():
+    assert token_f1("denver broncos team", "denver broncos") == pytest.approx(0.8)
+    assert token_f1("carolina panthers", "denver broncos") == 0.0
+
+
+def test_a_near_miss_earns_answer_f1_in_proportion_to_its_overlap():
+    near_miss = [*SEARCHED_THEN_PARIS[:3], answer("the Denver Broncos team")]
+    config = RewardExactMatchConfig(answer_f1=0.5)
+
+    assert RewardExactMatch(config).score(near_miss, ["Denver Broncos", "Broncos"]) == pytest.approx(0.5 * 0.8)
+    assert RewardExactMatch(config).score(SEARCHED_THEN_WRONG, ["Paris"]) == 0.0  # "Lyon" shares nothing
+    assert RewardExactMatch().score(near_miss, ["Denver Broncos"]) == 0.0  # off by default
+
+
+def test_answer_f1_pays_nothing_for_ending_without_an_answer_and_retrieval_credit_takes_the_larger():
+    both = RewardExactMatchConfig(answer_f1=0.5, retrieval_score=0.1)
+    partly_right = [*SEARCHED_THEN_PARIS[:3], answer("Paris Texas")]
+
+    assert RewardExactMatch(RewardExactMatchConfig(answer_f1=0.5)).score(ENDED_ON_A_TOOL_CALL, ["Paris"]) == 0.0
+    assert RewardExactMatch(both).score(ENDED_ON_A_TOOL_CALL, ["Paris"]) == 0.1
+    assert RewardExactMatch(both).score(partly_right, ["Paris"]) == pytest.approx(0.5 * 2 / 3)

@@ -7,13 +7,12 @@ import sys
 from pathlib import Path
 
 import httpx
-import pandas as pd
 import pytest
 import torch
 from transformers import TrainerCallback
 from trl import ModelConfig, TrlParser
 
-from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig
+from searchr1_trl.data import SearchR1Dataset
 from searchr1_trl.plan import PlanError, validate_plan
 from searchr1_trl.trainer import STREAM_STATE_FILE, SearchR1Config, SearchR1Trainer
 from searchr1_trl.vllm_server import reload_weights
@@ -193,11 +192,13 @@ def test_a_grpo_step_through_the_whole_stack_changes_the_weights_and_syncs_them(
     trainer.push_weights_to_generator()
     after = server_logprobs(vllm_server.base_url, offline_assets.model, probe)
     trained = model_logprobs(trainer.model, probe)
-    # The server computes in bf16 with bf16-rounded weights, the trainer in fp32, so they never agree exactly; but
-    # the server must have moved the way the trainer moved, and by about as much.
-    server_change, trainer_change = after - before, trained - original
-    assert torch.corrcoef(torch.stack([server_change, trainer_change]))[0, 1] > 0.9
-    assert 0.5 < server_change.abs().mean() / trainer_change.abs().mean() < 2.0
+    # On CPU the server runs float32 like the trainer: the two compute the same function with different kernels.
+    print(f"server vs trainer, max |logprob gap|: before {(before - original).abs().max():.2e}, after sync "
+          f"{(after - trained).abs().max():.2e}; server's own change {(after - before).abs().max():.2e}")
+    tolerance = 1e-2  # nats per token
+    assert (before - original).abs().max() < tolerance
+    assert (after - trained).abs().max() < tolerance
+    assert (after - before).abs().max() > 10 * tolerance
 
 
 class RecordingStream(SearchR1Dataset):
