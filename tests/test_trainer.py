@@ -195,7 +195,7 @@ def test_a_grpo_step_through_the_whole_stack_changes_the_weights_and_syncs_them(
     # On CPU the server runs float32 like the trainer: the two compute the same function with different kernels.
     print(f"server vs trainer, max |logprob gap|: before {(before - original).abs().max():.2e}, after sync "
           f"{(after - trained).abs().max():.2e}; server's own change {(after - before).abs().max():.2e}")
-    tolerance = 1e-2  # nats per token
+    tolerance = 1e-3  # nats per token; measured 2e-5 to 5e-5
     assert (before - original).abs().max() < tolerance
     assert (after - trained).abs().max() < tolerance
     assert (after - before).abs().max() > 10 * tolerance
