@@ -24,6 +24,7 @@ from searchr1_trl.assets import require
 from searchr1_trl.generation import SamplingParams, TransformersGenerator
 from searchr1_trl.shapes import random_model
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
+from zero3_update import synthetic_rollouts  # a sibling script: benchmarks/ is on sys.path when one runs
 
 
 def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
@@ -36,22 +37,6 @@ def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
         a @ b
     torch.cuda.synchronize()
     return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
-
-
-def synthetic_batch(batch: int, seq: int, prompt: int, vocab: int, device) -> dict:
-    """A rollout batch as GRPOTrainer hands it to compute_loss: prompt + completion, tool tokens masked."""
-    completion = seq - prompt
-    tool_mask = torch.ones(batch, completion, dtype=torch.long, device=device)
-    tool_mask[:, completion // 4: completion // 2] = 0  # a block of tool-response tokens
-    return {
-        "prompt_ids": torch.randint(0, vocab, (batch, prompt), device=device),
-        "prompt_mask": torch.ones(batch, prompt, dtype=torch.long, device=device),
-        "completion_ids": torch.randint(0, vocab, (batch, completion), device=device),
-        "completion_mask": torch.ones(batch, completion, dtype=torch.long, device=device),
-        "tool_mask": tool_mask,
-        "advantages": torch.randn(batch, device=device),
-        "num_items_in_batch": tool_mask.sum(),
-    }
 
 
 def policy_update(args, peak_tflops: float, work: Path) -> dict:
@@ -70,7 +55,9 @@ def policy_update(args, peak_tflops: float, work: Path) -> dict:
     trainer = SearchR1Trainer(model=model, args=config, processing_class=AutoTokenizer.from_pretrained(require().model))
     trainer.create_optimizer_and_scheduler(num_training_steps=args.steps)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which this loop stands in for
-    inputs = synthetic_batch(args.batch, args.seq, args.prompt, model.config.vocab_size, "cuda")
+    inputs = {k: v.cuda() for k, v in synthetic_rollouts(args.batch, args.seq, args.prompt, model.config.vocab_size,
+                                                          seed=0).items()}
+    inputs["num_items_in_batch"] = inputs["tool_mask"].sum()
     if args.activation_checkpointing:  # Trainer.train() would do this; this loop stands in for it
         trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
