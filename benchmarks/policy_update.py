@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,8 @@ from searchr1_trl.assets import require
 from searchr1_trl.generation import SamplingParams, TransformersGenerator
 from searchr1_trl.shapes import random_model
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
-from zero3_update import synthetic_rollouts  # a sibling script: benchmarks/ is on sys.path when one runs
+from report import report  # sibling modules: benchmarks/ is on sys.path when a benchmark runs
+from zero3_update import synthetic_rollouts
 
 
 def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
@@ -127,10 +127,7 @@ def main() -> None:
     if args.generation:
         results.append(generation(args))
     for result in results:
-        print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+        report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,13 @@ Prints latency, queries/s and the memory-bandwidth floor (index bytes / measured
 """
 
 import argparse
-import json
 import time
 
 import numpy as np
 import torch
 
 from retriever_server.index import TorchFlatIndex
+from report import report  # a sibling module: benchmarks/ is on sys.path when a benchmark runs
 
 
 def copy_bandwidth_gbs(device, gib: int = 8) -> float:
@@ -71,10 +71,7 @@ def main() -> None:
                "latency_ms": round(latency_ms, 2), "queries_per_s": round(batch / latency_ms * 1e3),
                "index_gb_fp16": round(index_gb, 1), "copy_bandwidth_gbs": round(bandwidth),
                "bandwidth_floor_ms": round(floor_ms, 2), "fraction_of_floor": round(floor_ms / latency_ms, 2)}
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        report(row, args.out)
 
 
 if __name__ == "__main__":

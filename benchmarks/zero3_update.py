@@ -17,7 +17,6 @@ seeded, so the first step's loss must agree across topologies up to bf16 roundin
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from transformers import AutoTokenizer
 from searchr1_trl.assets import require
 from searchr1_trl.shapes import random_model
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
+from report import report  # a sibling module: benchmarks/ is on sys.path when a benchmark runs
 
 
 def synthetic_rollouts(rows: int, seq: int, prompt: int, vocab: int, seed: int) -> dict:
@@ -110,10 +110,7 @@ def main() -> None:
         "tokens_per_s": round(rows * args.seq / step_s), "peak_mem_gib_per_gpu": [round(p, 1) for p in peaks],
     }
     if state.is_main_process:
-        print(json.dumps(result), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+        report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -142,15 +142,16 @@ class RewardExactMatch:
         """The reward of one conversation."""
         golds = _normalized_golds(golden_answers)
         answer = final_answer(messages)
-        if answer is not None and normalize_answer(answer) in golds:
+        normalized = normalize_answer(answer) if answer is not None else None
+        if normalized in golds:
             if _made_search_call(messages):
                 return self.config.score
             return self.config.score - self.config.no_search_penalty
         partial = 0.0
         if self.config.retrieval_score and _retrieval_surfaced_gold(messages, golds):
             partial = self.config.retrieval_score
-        if self.config.answer_f1 and answer is not None and golds:
-            partial = max(partial, self.config.answer_f1 * max(token_f1(normalize_answer(answer), g) for g in golds))
+        if self.config.answer_f1 and normalized is not None and golds:
+            partial = max(partial, self.config.answer_f1 * max(token_f1(normalized, g) for g in golds))
         return partial
 
     def __call__(self, prompts, completions, *, messages, golden_answers, status=None, **kwargs) -> list[float]:
