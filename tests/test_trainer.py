@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import httpx
@@ -110,9 +111,11 @@ def small_config(tmp_path, questions_file, retriever_url, **overrides) -> Search
     return SearchR1Config(**values)
 
 
-def model_tokens_reward(prompts, completions, *, messages, **kwargs) -> list[float]:
-    """Varies within every group, so advantages are never all zero and one step must move the weights."""
-    return [float(sum(len(m.get("content") or "") for m in conv if m["role"] == "assistant")) for conv in messages]
+def model_text_reward(prompts, completions, *, messages, **kwargs) -> list[float]:
+    """Differs between any two rollouts whose texts differ (a checksum, not a length: two truncated rollouts often
+    have the same length), so a group with distinct rollouts has non-zero advantages and one step moves the weights."""
+    texts = ["".join(m.get("content") or "" for m in conv if m["role"] == "assistant") for conv in messages]
+    return [zlib.crc32(text.encode()) / 2**32 for text in texts]
 
 
 def server_logprobs(base_url: str, model: str, token_ids: list[int]) -> torch.Tensor:
@@ -136,18 +139,19 @@ def masking_trainer(tiny_model_dir, vllm_server, retriever_url, questions_file, 
     tokens count in the loss does not depend on the policy's size, and a tiny one keeps the test fast."""
     args = small_config(tmp_path, questions_file, retriever_url, vllm_server_base_url=vllm_server.base_url,
                         generator="vllm", weight_sync="reload")
-    return SearchR1Trainer(model=str(tiny_model_dir), args=args, reward_funcs=[args.rubric(), model_tokens_reward])
+    return SearchR1Trainer(model=str(tiny_model_dir), args=args, reward_funcs=[args.rubric(), model_text_reward])
 
 
 @pytest.fixture
 def stack_trainer(offline_assets, vllm_server, retriever_url, questions_file, tmp_path):
     """A trainer on the offline model itself, generating on the real vLLM server and searching the real retriever;
-    one question x 2 short single-turn rollouts so a CPU step stays short."""
-    args = small_config(tmp_path, questions_file, retriever_url, learning_rate=1e-4, gradient_accumulation_steps=1,
-                        max_turns=1, max_tokens_per_turn=16, vllm_server_base_url=vllm_server.base_url,
-                        generator="vllm", weight_sync="reload")
+    one question x 4 short single-turn rollouts (with 2, both were sometimes the same text: no signal) so a CPU
+    step stays short."""
+    args = small_config(tmp_path, questions_file, retriever_url, learning_rate=1e-4, per_device_train_batch_size=4,
+                        gradient_accumulation_steps=1, num_generations=4, max_turns=1, max_tokens_per_turn=16,
+                        vllm_server_base_url=vllm_server.base_url, generator="vllm", weight_sync="reload")
     trainer = SearchR1Trainer(model=offline_assets.model, args=args,
-                              reward_funcs=[args.rubric(), model_tokens_reward])
+                              reward_funcs=[args.rubric(), model_text_reward])
     yield trainer
     reload_weights(vllm_server.base_url, offline_assets.model)  # the server is shared: give it its weights back
 
@@ -185,6 +189,7 @@ def test_a_grpo_step_through_the_whole_stack_changes_the_weights_and_syncs_them(
     before = server_logprobs(vllm_server.base_url, offline_assets.model, probe)
     original = model_logprobs(trainer.model, probe)
     trainer.train()
+    assert trainer.state.log_history[0]["reward_std"] > 0, "the 4 rollouts were all the same text: nothing to learn"
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before_weights[n])]
     assert len(changed) > 0.5 * len(before_weights)
     assert trainer.state.log_history[0]["rollout/turns_per_rollout"] == 1
