@@ -1,6 +1,6 @@
 """Generic multi-turn rollout machinery: the loop, budgets and tokens that every tool-calling task shares.
 
-A task supplies a :class:`MessageEnv` (initial messages, tools, and a ``step`` that answers an assistant message); the
+A task supplies a :class:`MessageEnv` (initial messages, tools, and a ``step`` that answers the latest assistant message); the
 :class:`RolloutEngine` owns everything else. One turn: generate from token ids -> parse the assistant message with the
 tokenizer's response parser -> ``env.step`` -> append the environment's messages as tokens -> next turn.
 
@@ -82,11 +82,10 @@ class MessageEnv(abc.ABC):
         """The conversation the first turn is generated from."""
 
     @abc.abstractmethod
-    async def step(self, message: dict) -> EnvStep:
-        """React to a parsed assistant message.
-
-        ``message`` = ``{"role": "assistant", "content": str, "tool_calls": [{"type": "function",
-        "function": {"name": str, "arguments": dict | str}}]}`` ("tool_calls" absent or [] when none).
+    async def step(self, messages: list[dict]) -> EnvStep:
+        """React to the conversation so far (read it, do not change it); its last message is the parsed assistant
+        turn ``{"role": "assistant", "content": str, "tool_calls": [{"type": "function", "function": {"name": str,
+        "arguments": dict | str}}]}`` ("tool_calls" absent or [] when none).
         """
 
     def metrics(self) -> dict[str, float]:
@@ -212,7 +211,7 @@ class RolloutEngine:
 
             clock = time.perf_counter()
             try:
-                step = await asyncio.wait_for(self.env.step(message), self.config.step_timeout_s)
+                step = await asyncio.wait_for(self.env.step(messages), self.config.step_timeout_s)
             except asyncio.TimeoutError:
                 status = RolloutStatus.ERROR_TIMEOUT
                 break

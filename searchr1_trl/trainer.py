@@ -86,6 +86,9 @@ class SearchR1Config(GRPOConfig):
     search_url: str = field(default="http://127.0.0.1:8000/retrieve", metadata={"help": "Retrieval server URL."})
     topk: int = field(default=3, metadata={"help": "Passages returned per search."})
     search_timeout_s: float = field(default=60.0, metadata={"help": "Timeout of one retrieval request."})
+    restate_question: bool = field(
+        default=False, metadata={"help": "End search results with the answer format and the question (small models)."}
+    )
 
     # --- rollout budgets ---
     max_turns: int = field(default=4, metadata={"help": "Assistant turns per rollout."})
@@ -206,7 +209,8 @@ class SearchR1Trainer(GRPOTrainer):
             if args.eval_strategy != "no" or args.eval_on_start else []
         )
         self.env = env or SearchR1Env(
-            SearchR1EnvConfig(search_url=args.search_url, topk=args.topk, timeout_s=args.search_timeout_s)
+            SearchR1EnvConfig(search_url=args.search_url, topk=args.topk, timeout_s=args.search_timeout_s,
+                              restate_question=args.restate_question)
         )
         self._loop = asyncio.new_event_loop()
         self._synced_step = -1

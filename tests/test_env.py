@@ -19,6 +19,7 @@ from searchr1_trl.data import SearchR1Sample
 from searchr1_trl.env import (
     EMPTY_QUERY_MESSAGE,
     INSTRUCTION,
+    RESTATEMENT,
     SEARCH_TOOL,
     RetrievalClient,
     SearchR1Env,
@@ -111,8 +112,11 @@ def assistant(*calls, content="") -> dict:
     return {"role": "assistant", "content": content, "tool_calls": list(calls)}
 
 
+QUESTION = {"role": "user", "content": "Question: Where is the Eiffel Tower?"}
+
+
 def step(env: SearchR1Env, message: dict) -> EnvStep:
-    return asyncio.run(env.step(message))
+    return asyncio.run(env.step([QUESTION, message]))
 
 
 def fake_passages(query: str, topk: int = 3) -> str:
@@ -255,9 +259,9 @@ def test_concurrent_rollouts_share_one_request_and_identical_queries_are_sent_on
 
     async def three_rollouts():
         return await asyncio.gather(
-            env.step(assistant(search_call({"query": "Eiffel Tower"}))),
-            env.step(assistant(search_call({"query": "Eiffel Tower"}))),
-            env.step(assistant(search_call({"query": "Louvre"}))),
+            env.step([QUESTION, assistant(search_call({"query": "Eiffel Tower"}))]),
+            env.step([QUESTION, assistant(search_call({"query": "Eiffel Tower"}))]),
+            env.step([QUESTION, assistant(search_call({"query": "Louvre"}))]),
         )
 
     results = asyncio.run(three_rollouts())
@@ -273,8 +277,8 @@ def test_searches_of_different_instants_are_separate_requests(fake_retriever):
     env = env_for(fake_retriever.url)
 
     async def two_turns():
-        await env.step(assistant(search_call({"query": "a"})))
-        await env.step(assistant(search_call({"query": "b"})))
+        await env.step([QUESTION, assistant(search_call({"query": "a"}))])
+        await env.step([QUESTION, assistant(search_call({"query": "b"}))])
 
     asyncio.run(two_turns())
 
@@ -383,3 +387,17 @@ def test_the_real_retrieval_server_returns_formatted_passages(retriever_url):
         assert "Super Bowl 50" in message["content"]
     metrics = env.metrics()
     assert (metrics["search/searches"], metrics["search/requests"], metrics["search/failures"]) == (2, 1, 0)
+
+
+def test_restated_question_follows_the_passages_of_a_search_but_not_an_error(retriever_url):
+    sample = SearchR1Sample("Which team won Super Bowl 50?", ("Denver Broncos",))
+    calls = assistant(search_call({"query": "Super Bowl 50 champion"}), search_call({"query": ""}))
+    restating = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url, restate_question=True))
+    plain = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url))
+
+    passages, error = asyncio.run(restating.step([*restating.initial_messages(sample), calls])).messages
+    plain_passages, _ = asyncio.run(plain.step([*plain.initial_messages(sample), calls])).messages
+
+    assert passages["content"] == f"{plain_passages['content']}\n\n{RESTATEMENT.format(question=sample.question)}"
+    assert plain_passages["content"].startswith("Doc 1(Title: ") and "Question:" not in plain_passages["content"]
+    assert error["content"] == EMPTY_QUERY_MESSAGE

@@ -70,7 +70,8 @@ class LookupEnv(MessageEnv):
     def initial_messages(self, sample):
         return [{"role": "user", "content": f"Question: {sample}"}]
 
-    async def step(self, message):
+    async def step(self, messages):
+        message = messages[-1]
         self.stepped.append(message)
         calls = message.get("tool_calls") or []
         question = calls[0]["function"]["arguments"]["query"] if calls else None
