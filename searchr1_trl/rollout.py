@@ -116,8 +116,8 @@ class RolloutConfig:
     bare_json_tool_calls: bool = field(
         default=False,
         metadata={
-            "help": "Also read an assistant turn that is nothing but a JSON object {\"name\": <one of the env's tools>, "
-            "\"arguments\": {...}} as a tool call. Some small models (Qwen2.5-Coder-0.5B-Instruct) call tools this "
+            "help": "Also read an assistant turn that is nothing but JSON objects {\"name\": <one of the env's tools>, "
+            "\"arguments\": {...}} (one per line) as tool calls. Some small models (Qwen2.5-Coder-0.5B-Instruct) call tools this "
             "way instead of in their chat template's format (<tool_call>...</tool_call>)."
         },
     )
@@ -368,13 +368,8 @@ _FENCE_OPEN = re.compile(r"^```(?:json)?\s*")
 _FENCE_CLOSE = re.compile(r"\s*```$")
 
 
-def _loads_call(text: str) -> Any:
-    """The JSON value of a bare tool call as small models write it; None if it is not JSON even after repair.
-
-    Repairs the two slips Qwen2.5-Coder-0.5B makes: Markdown code fences around the call (either or both), and one
-    or two closing braces missing at the end. ``'```json\n{"a": {"b": 1}\n```'`` -> ``{"a": {"b": 1}}``.
-    """
-    text = _FENCE_CLOSE.sub("", _FENCE_OPEN.sub("", text.strip()))
+def _repaired_json(text: str) -> Any:
+    """``text`` as JSON, after adding the one or two closing braces a small model may have left off; None if not."""
     for suffix in ("", "}", "}}"):
         try:
             return json.loads(text + suffix)
@@ -383,23 +378,54 @@ def _loads_call(text: str) -> Any:
     return None
 
 
-def _bare_json_tool_call(message: dict, tool_names: set[str]) -> dict:
-    """``message``, with content that is only a JSON tool call read as that tool call.
+def _loads_calls(text: str) -> list | None:
+    """The JSON values of bare tool calls as small models write them, one or several separated by whitespace (one
+    per line); None if the text is not such a sequence even after repair.
+
+    Repairs the two slips Qwen2.5-Coder-0.5B makes: Markdown code fences around the calls (either or both), and one
+    or two closing braces missing at the end. ``'```json\n{"a": {"b": 1}\n```'`` -> ``[{"a": {"b": 1}}]``.
+    """
+    text = _FENCE_CLOSE.sub("", _FENCE_OPEN.sub("", text.strip()))
+    decoder, values, position = json.JSONDecoder(), [], 0
+    while position < len(text):
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            last = _repaired_json(text[position:])
+            return None if last is None else [*values, last]
+        values.append(value)
+        position = len(text) - len(text[position:].lstrip())
+    return values or None
+
+
+def _as_call(value: Any, tool_names: set[str]) -> dict | None:
+    """The tool call a bare JSON value stands for; None if it is no call.
 
     A JSON object is a call when it names one of ``tool_names``, or names anything with an ``arguments`` field: a
     call of an unknown tool is still a call (the environment answers it with an error), not a final answer; read
     as an answer it would end the rollout, which a policy learns to exploit when finishing pays more than a
-    budget cut. ``'{"name": "search", "arguments": {"query": "x"}}'`` -> content ``""`` and one call of ``search``;
-    so is the same call in code fences or missing its last braces (:func:`_loads_call`). Any other content (text,
-    other JSON, JSON that cannot be repaired) is left as it is.
+    budget cut.
     """
-    call = _loads_call(message["content"]) if not message.get("tool_calls") else None
-    if not (isinstance(call, dict) and isinstance(call.get("name"), str)
-            and (call["name"] in tool_names or "arguments" in call)
-            and isinstance(call.get("arguments", {}), (dict, str))):
+    if not (isinstance(value, dict) and isinstance(value.get("name"), str)
+            and (value["name"] in tool_names or "arguments" in value)
+            and isinstance(value.get("arguments", {}), (dict, str))):
+        return None
+    return {"type": "function", "function": {"name": value["name"], "arguments": value.get("arguments", {})}}
+
+
+def _bare_json_tool_call(message: dict, tool_names: set[str]) -> dict:
+    """``message``, with content that is only JSON tool calls read as those calls (see :func:`_as_call`).
+
+    ``'{"name": "search", "arguments": {"query": "x"}}'`` -> content ``""`` and one call of ``search``; so is the same
+    call in code fences or missing its last braces, and several such objects one per line are several calls
+    (:func:`_loads_calls`). Any other content (text, other JSON, a call followed by a non-call, JSON that cannot be
+    repaired) is left as it is.
+    """
+    values = _loads_calls(message["content"]) if not message.get("tool_calls") else None
+    calls = [_as_call(value, tool_names) for value in values or []]
+    if not calls or None in calls:
         return message
-    function = {"name": call["name"], "arguments": call.get("arguments", {})}
-    return {**message, "content": "", "tool_calls": [{"type": "function", "function": function}]}
+    return {**message, "content": "", "tool_calls": calls}
 
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)

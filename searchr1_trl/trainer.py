@@ -96,7 +96,7 @@ class SearchR1Config(GRPOConfig):
     max_tokens_per_turn: int = field(default=512, metadata={"help": "Generated tokens per assistant turn."})
     enable_thinking: bool = field(default=False, metadata={"help": "Thinking mode of templates that have it."})
     bare_json_tool_calls: bool = field(
-        default=False, metadata={"help": "Also read a turn that is only a JSON tool call as a call (small models)."}
+        default=False, metadata={"help": "Also read a turn that is only JSON tool calls as calls (small models)."}
     )
 
     # --- rubric ---

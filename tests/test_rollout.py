@@ -352,6 +352,19 @@ def test_bare_json_calls_with_the_small_models_slips_are_repaired(tokenizer, sli
     assert rollout.messages[-1]["content"] == "Paris"
 
 
+def test_bare_json_calls_one_per_line_are_several_calls_unless_one_is_no_call(tokenizer):
+    two = '{"name": "lookup", "arguments": {"query": "a"}}\n{"name": "lookup", "arguments": {"query": "b"}'
+    mixed = '{"name": "lookup", "arguments": {"query": "a"}}\n{"response": "Paris"}'
+    config = RolloutConfig(bare_json_tool_calls=True)
+
+    [several], _, _ = roll(tokenizer, {"q": [two + "<|im_end|>", "Paris<|im_end|>"]}, config)
+    [answer], _, _ = roll(tokenizer, {"q": [mixed + "<|im_end|>"]}, config)
+
+    assert [c["function"]["arguments"] for c in several.messages[1]["tool_calls"]] == [{"query": "a"}, {"query": "b"}]
+    assert [m["content"] for m in several.messages if m["role"] == "tool"] == ["result for a", "result for b"]
+    assert (answer.status, answer.num_tool_calls, answer.messages[-1]["content"]) == (RolloutStatus.DONE, 0, mixed)
+
+
 def test_bare_json_beyond_repair_stays_an_answer(tokenizer):
     broken = '{"name": "lookup", "arguments": {"que'  # cut inside a string
     [rollout], _, _ = roll(tokenizer, {"q": [broken + "<|im_end|>"]}, RolloutConfig(bare_json_tool_calls=True))
