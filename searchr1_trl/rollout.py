@@ -1,8 +1,9 @@
 """Generic multi-turn rollout machinery: the loop, budgets and tokens that every tool-calling task shares.
 
-A task supplies a :class:`MessageEnv` (initial messages, tools, and a ``step`` that answers the latest assistant message); the
-:class:`RolloutEngine` owns everything else. One turn: generate from token ids -> parse the assistant message with the
-tokenizer's response parser -> ``env.step`` -> append the environment's messages as tokens -> next turn.
+A task supplies a :class:`MessageEnv` (initial messages, tools, and a ``step`` that answers the latest assistant
+message); the :class:`RolloutEngine` owns everything else. One turn: generate from token ids -> parse the assistant
+message with the tokenizer's response parser -> ``env.step`` -> append the environment's messages as tokens -> next
+turn.
 
 Token-in/token-out. A rollout's sequence is ``prompt_ids`` followed by ``completion_ids``: the model's generated ids,
 exactly as returned, interleaved with the environment's messages rendered as tokens. Earlier turns are never
@@ -116,9 +117,9 @@ class RolloutConfig:
     bare_json_tool_calls: bool = field(
         default=False,
         metadata={
-            "help": "Also read an assistant turn that is nothing but JSON objects {\"name\": <one of the env's tools>, "
-            "\"arguments\": {...}} (one per line) as tool calls. Some small models (Qwen2.5-Coder-0.5B-Instruct) call tools this "
-            "way instead of in their chat template's format (<tool_call>...</tool_call>)."
+            "help": "Also read an assistant turn that is nothing but JSON objects {\"name\": <one of the env's "
+            "tools>, \"arguments\": {...}} (one per line) as tool calls. Some small models (Qwen2.5-Coder-0.5B-"
+            "Instruct) call tools this way instead of in their chat template's format (<tool_call>...</tool_call>)."
         },
     )
 
@@ -366,6 +367,7 @@ def _assistant_message(parsed: Any) -> dict | None:
 
 _FENCE_OPEN = re.compile(r"^```(?:json)?\s*")
 _FENCE_CLOSE = re.compile(r"\s*```$")
+_WHITESPACE = re.compile(r"\s*")
 
 
 def _repaired_json(text: str) -> Any:
@@ -389,12 +391,12 @@ def _loads_calls(text: str) -> list | None:
     decoder, values, position = json.JSONDecoder(), [], 0
     while position < len(text):
         try:
-            value, position = decoder.raw_decode(text, position)
+            value, end = decoder.raw_decode(text, position)
         except json.JSONDecodeError:
             last = _repaired_json(text[position:])
             return None if last is None else [*values, last]
         values.append(value)
-        position = len(text) - len(text[position:].lstrip())
+        position = _WHITESPACE.match(text, end).end()
     return values or None
 
 
