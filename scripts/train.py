@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     trainer = SearchR1Trainer(model=model_args.model_name_or_path, args=args, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    if trainer.eval_samples:
+    evaluated_last_step = any(e.get("step") == trainer.state.global_step and "eval_em" in e
+                              for e in trainer.state.log_history)
+    if trainer.eval_samples and not evaluated_last_step:
         trainer.evaluate()  # the final EM, also recorded in the model card
     trainer.save_state()
     trainer.save_model(args.output_dir)

@@ -11,6 +11,7 @@ What this subclass decides, and nothing more:
   CUDA clusters) or by saving safetensors to a folder the vLLM server reloads in place (``weight_sync="reload"``,
   works without CUDA). The in-process generator (``generator="transformers"``) uses the live model, no sync.
 - **Validation** is greedy rollouts over a fixed held-out slice, logged as EM overall and per data source.
+- **An optimizer step with NaN/inf gradients is skipped** (:class:`NonFiniteGradientGuard`), not applied.
 
 Defaults follow the seed recipe: DAPO loss with asymmetric clipping (0.2 / 0.28), no KL and no reference model,
 group std-normalised advantages, AdamW at lr 1e-6 with 2 warmup steps then constant, 8 prompts x 8 generations per
@@ -33,6 +34,7 @@ from pathlib import Path
 import datasets
 import torch
 from accelerate.utils import gather_object
+from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 from trl.models import unwrap_model_for_generation
@@ -47,6 +49,7 @@ from searchr1_trl.vllm_server import reload_weights
 logger = logging.getLogger(__name__)
 
 STREAM_STATE_FILE = "question_stream.json"
+MAX_CONSECUTIVE_NONFINITE_STEPS = 3
 
 
 @dataclass
@@ -193,6 +196,37 @@ class QuestionBatches:
                 yield local
 
 
+class NonFiniteGradientGuard(TrainerCallback):
+    """Skips an optimizer step whose gradients hold a NaN or inf, instead of writing them into the weights.
+
+    One such step (seen on an H200: Qwen2.5-0.5B, bf16 autocast, lr 1e-5, step 5) turns every weight into NaN, and
+    the run then dies at the next sampling with a CUDA assert that names nothing. Skipped steps are logged as
+    ``train/skipped_nonfinite_step`` (the fraction of steps skipped per log) with a warning; after
+    :data:`MAX_CONSECUTIVE_NONFINITE_STEPS` in a row training stops with an error, since the run is then broken, not
+    unlucky. Under DeepSpeed ZeRO the gradients are partitioned away from ``param.grad`` and this guard sees none.
+    """
+
+    def __init__(self, metrics: dict[str, list[float]]):
+        self.metrics = metrics
+        self.consecutive = 0
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads or torch.stack([torch.isfinite(g).all() for g in grads]).all():
+            self.consecutive = 0
+            self.metrics["train/skipped_nonfinite_step"].append(0.0)
+            return
+        self.consecutive += 1
+        if self.consecutive >= MAX_CONSECUTIVE_NONFINITE_STEPS:
+            raise FloatingPointError(
+                f"the gradients held NaN or inf at {self.consecutive} optimizer steps in a row (last: step "
+                f"{state.global_step + 1}); lower learning_rate or train without bf16/fp16 autocast")
+        logger.warning("optimizer step %d skipped: the gradients hold NaN or inf (the weights are left as they were)",
+                       state.global_step + 1)
+        optimizer.zero_grad(set_to_none=True)  # an optimizer skips parameters without a gradient
+        self.metrics["train/skipped_nonfinite_step"].append(1.0)
+
+
 class SearchR1Trainer(GRPOTrainer):
     """GRPO on multi-turn search rollouts.
 
@@ -222,6 +256,7 @@ class SearchR1Trainer(GRPOTrainer):
             eval_dataset=eval_dataset if len(self.eval_samples) else None, processing_class=processing_class,
             peft_config=peft_config, rollout_func=self._rollout_func, **kwargs,
         )
+        self.add_callback(NonFiniteGradientGuard(self._metrics["train"]))
         self.engine = RolloutEngine(
             self.processing_class, self._make_generator(), self.env,
             RolloutConfig(max_turns=args.max_turns, max_rollout_tokens=args.max_rollout_tokens,

@@ -251,3 +251,45 @@ def test_a_resumed_run_draws_the_same_questions_as_an_uninterrupted_one(tiny_mod
     resumed, _ = run("killed", resume=str(checkpoint))
     assert killed == uninterrupted[: 2 * questions_per_step]
     assert resumed == uninterrupted[2 * questions_per_step:]
+
+
+class Snapshots(TrainerCallback):
+    """The weights after every optimizer step."""
+
+    def __init__(self):
+        self.weights: list[dict[str, torch.Tensor]] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+@pytest.mark.slow
+def test_a_step_with_nan_gradients_is_skipped_and_three_in_a_row_stop_training(tiny_model_dir, questions_file,
+                                                                                retriever_url, tmp_path):
+    def trainer_with_nan_gradients(folder, poisoned_steps):
+        args = small_config(tmp_path / folder, questions_file, retriever_url, max_steps=3, generator="transformers",
+                            max_tokens_per_turn=8, max_turns=1, learning_rate=1e-3)
+        snapshots = Snapshots()
+        trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, callbacks=[snapshots],
+                                  reward_funcs=[args.rubric(), model_text_reward])
+        embedding = trainer.model.get_input_embeddings().weight
+        embedding.register_hook(lambda grad: grad * float("nan") if trainer.state.global_step in poisoned_steps
+                                else grad)
+        initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        return trainer, snapshots, initial
+
+    def unchanged(a, b):
+        return all(torch.equal(a[n], b[n]) for n in a)
+
+    trainer, snapshots, initial = trainer_with_nan_gradients("once", poisoned_steps={0})
+    trainer.train()
+    skipped = [e["train/skipped_nonfinite_step"] for e in trainer.state.log_history if "reward" in e]
+    assert skipped == [1.0, 0.0, 0.0]
+    assert unchanged(snapshots.weights[0], initial), "the NaN step must leave the weights as they were"
+    assert not unchanged(snapshots.weights[1], initial), "the next, finite step must update them"
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+    trainer, snapshots, initial = trainer_with_nan_gradients("always", poisoned_steps={0, 1, 2})
+    with pytest.raises(FloatingPointError, match="NaN or inf at 3 optimizer steps in a row"):
+        trainer.train()
+    assert len(snapshots.weights) == 2 and all(unchanged(w, initial) for w in snapshots.weights)
