@@ -73,8 +73,11 @@ def plot(log_history: list[dict], path: Path) -> None:
     train = [e for e in log_history if "reward" in e]
     evals = [e for e in log_history if "eval_em" in e]
     fig, ax = plt.subplots(1, 3, figsize=(15, 3.5))
-    ax[0].plot([e["step"] for e in train], [e["reward"] for e in train], marker="o")
-    ax[0].set(title="training reward (mean per step)", xlabel="optimizer step", ylabel="reward")
+    ax[0].plot([e["step"] for e in train], [e["reward"] for e in train], marker="o", label="reward")
+    ax[0].plot([e["step"] for e in train], [e.get("rubric/correct") for e in train], marker="o",
+               label="answered exactly right")
+    ax[0].set(title="training rollouts (mean per step)", xlabel="optimizer step")
+    ax[0].legend()
     ax[1].plot([e["step"] for e in evals], [e["eval_em"] for e in evals], marker="o", color="C1")
     ax[1].set(title="validation EM (greedy)", xlabel="optimizer step", ylabel="exact match", ylim=(0, 1))
     ax[2].plot([e["step"] for e in train], [e.get("rollout/searches_per_rollout") for e in train], marker="o",

@@ -138,6 +138,11 @@ class RewardExactMatch:
         self.weight = self.config.weight
         self.__name__ = "exact_match"  # the name TRL logs this reward under
 
+    def correct(self, messages: Sequence[dict], golden_answers: Sequence[str]) -> bool:
+        """Whether the final answer is a golden answer (plain EM: what validation measures, no levers)."""
+        answer = final_answer(messages)
+        return answer is not None and normalize_answer(answer) in _normalized_golds(golden_answers)
+
     def score(self, messages: Sequence[dict], golden_answers: Sequence[str]) -> float:
         """The reward of one conversation."""
         golds = _normalized_golds(golden_answers)
@@ -154,7 +159,13 @@ class RewardExactMatch:
             partial = max(partial, self.config.answer_f1 * max(token_f1(normalized, g) for g in golds))
         return partial
 
-    def __call__(self, prompts, completions, *, messages, golden_answers, status=None, **kwargs) -> list[float]:
+    def __call__(self, prompts, completions, *, messages, golden_answers, status=None, log_metric=None,
+                 **kwargs) -> list[float]:
+        """The rewards; with TRL's ``log_metric``, also ``rubric/correct``: the fraction answered exactly right, the
+        training counterpart of validation EM (the reward mixes in partial credit)."""
+        if log_metric is not None:
+            hits = [self.correct(m, g) for m, g in zip(messages, golden_answers, strict=True)]
+            log_metric("rubric/correct", sum(hits) / len(hits))
         return [self.score(m, g) for m, g in zip(messages, golden_answers, strict=True)]
 
 
@@ -166,7 +177,8 @@ class Rubric:
 
     A reward function's weight is its ``weight`` attribute (1.0 if it has none). As a TRL reward function the
     rubric returns the total and, when TRL passes ``log_metric``, logs each reward function's batch mean
-    (``rubric/<name>``) and the truncated fraction (``rubric/truncated``), so
+    (``rubric/<name>``) and the truncated fraction (``rubric/truncated``), and hands ``log_metric`` on to the reward
+    functions for their own metrics (:class:`RewardExactMatch`: ``rubric/correct``), so
     ``GRPOTrainer(reward_funcs=[rubric])`` trains on exactly :meth:`score` while every part stays visible.
     """
 
@@ -180,7 +192,8 @@ class Rubric:
         truncated = [_is_truncated(s) for s in statuses]
         totals = [self.truncation_reward if t else 0.0 for t in truncated]
         for fn in self.reward_fns:
-            scores = fn(prompts, completions, messages=messages, golden_answers=golden_answers, status=status, **kwargs)
+            scores = fn(prompts, completions, messages=messages, golden_answers=golden_answers, status=status,
+                        log_metric=log_metric, **kwargs)
             weight = getattr(fn, "weight", 1.0)
             totals = [total if t else total + weight * s for total, t, s in zip(totals, truncated, scores, strict=True)]
             if log_metric is not None:

@@ -203,7 +203,8 @@ class NonFiniteGradientGuard(TrainerCallback):
     the run then dies at the next sampling with a CUDA assert that names nothing. Skipped steps are logged as
     ``train/skipped_nonfinite_step`` (the fraction of steps skipped per log) with a warning; after
     :data:`MAX_CONSECUTIVE_NONFINITE_STEPS` in a row training stops with an error, since the run is then broken, not
-    unlucky. Under DeepSpeed ZeRO the gradients are partitioned away from ``param.grad`` and this guard sees none.
+    unlucky. Under DeepSpeed ZeRO the gradients are partitioned away from ``param.grad`` and this guard sees none;
+    there DeepSpeed's own ``bf16.check_grad_overflow`` (on by default in 0.19) skips such steps.
     """
 
     def __init__(self, metrics: dict[str, list[float]]):

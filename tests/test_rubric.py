@@ -182,14 +182,16 @@ def test_rubric_is_a_trl_reward_function_that_logs_its_parts():
     rubric = Rubric([RewardExactMatch(LEVERS)], truncation_reward=0.0)
 
     rewards = rubric(
-        prompts=[None] * 3, completions=[None] * 3, completion_ids=[[1], [2], [3]],
-        messages=[SEARCHED_THEN_PARIS, SEARCHED_THEN_PARIS, PARIS_FROM_MEMORY],
-        golden_answers=[["Paris"]] * 3, status=["done", "truncated_length", RolloutStatus.DONE],
+        prompts=[None] * 4, completions=[None] * 4, completion_ids=[[1], [2], [3], [4]],
+        messages=[SEARCHED_THEN_PARIS, SEARCHED_THEN_PARIS, PARIS_FROM_MEMORY, SEARCHED_THEN_WRONG],
+        golden_answers=[["Paris"]] * 4, status=["done", "truncated_length", RolloutStatus.DONE, "done"],
         log_metric=lambda name, value: logged.append((name, value)),
     )
 
-    assert rewards == pytest.approx([1.0, 0.0, 0.8])
-    assert logged == [("rubric/exact_match", pytest.approx(2.8 / 3)), ("rubric/truncated", pytest.approx(1 / 3))]
+    assert rewards == pytest.approx([1.0, 0.0, 0.8, 0.1])
+    # correct: plain EM of the final answers, whatever the levers and the truncation make of them
+    assert logged == [("rubric/correct", pytest.approx(3 / 4)), ("rubric/exact_match", pytest.approx(2.9 / 4)),
+                      ("rubric/truncated", pytest.approx(1 / 4))]
     assert rubric.__name__ == "rubric"
 
 
