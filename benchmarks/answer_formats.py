@@ -64,9 +64,9 @@ async def one_turn_em(tokenizer, generator, search_url: str, samples: list[Searc
         prompts = [tokenizer.apply_chat_template(c, tools=[SEARCH_TOOL], add_generation_prompt=True, tokenize=True,
                                                  return_dict=False) for c in convs]
         replies = await asyncio.gather(*(generator.generate(p, params) for p in prompts))
-        scores = [exact_match.score([{"role": "assistant", "content": tokenizer.decode(r.token_ids,
-                                                                                        skip_special_tokens=True)}],
-                                    s.golden_answers) for r, s in zip(replies, samples, strict=True)]
+        texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in replies]
+        scores = [exact_match.correct([{"role": "assistant", "content": text}], s.golden_answers)
+                  for text, s in zip(texts, samples, strict=True)]
         result[f"one_turn_em/{name}"] = sum(scores) / len(scores)
     await plain.aclose()
     await restating.aclose()
@@ -87,7 +87,7 @@ async def rollout_em(tokenizer, generator, search_url: str, samples: list[Search
     prefix = f"rollouts/restate_{str(restate).lower()}"
     statuses = Counter(r.status.value for r in rollouts)
     return {
-        f"{prefix}/em": sum(exact_match.score(r.messages, r.sample.golden_answers) for r in rollouts) / len(rollouts),
+        f"{prefix}/em": sum(exact_match.correct(r.messages, r.sample.golden_answers) for r in rollouts) / len(rollouts),
         f"{prefix}/searches_per_rollout": sum(r.num_tool_calls for r in rollouts) / len(rollouts),
         **{f"{prefix}/status_{status}": count / len(rollouts) for status, count in sorted(statuses.items())},
     }

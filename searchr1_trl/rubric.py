@@ -100,6 +100,12 @@ def _retrieval_surfaced_gold(messages: Sequence[dict], golds: set[str]) -> bool:
     return False
 
 
+def _normalized_final_answer(messages: Sequence[dict]) -> str | None:
+    """:func:`final_answer` after SQuAD normalisation; None when there is no final answer."""
+    answer = final_answer(messages)
+    return normalize_answer(answer) if answer is not None else None
+
+
 def _normalized_golds(golden_answers: Sequence[str]) -> set[str]:
     """Normalised golden answers, without those that normalise to nothing (``"The"`` would match every answer)."""
     return {gold for gold in map(normalize_answer, golden_answers) if gold}
@@ -140,14 +146,12 @@ class RewardExactMatch:
 
     def correct(self, messages: Sequence[dict], golden_answers: Sequence[str]) -> bool:
         """Whether the final answer is a golden answer (plain EM: what validation measures, no levers)."""
-        answer = final_answer(messages)
-        return answer is not None and normalize_answer(answer) in _normalized_golds(golden_answers)
+        return _normalized_final_answer(messages) in _normalized_golds(golden_answers)
 
     def score(self, messages: Sequence[dict], golden_answers: Sequence[str]) -> float:
         """The reward of one conversation."""
         golds = _normalized_golds(golden_answers)
-        answer = final_answer(messages)
-        normalized = normalize_answer(answer) if answer is not None else None
+        normalized = _normalized_final_answer(messages)
         if normalized in golds:
             if _made_search_call(messages):
                 return self.config.score

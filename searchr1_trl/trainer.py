@@ -352,7 +352,7 @@ class SearchR1Trainer(GRPOTrainer):
         start = time.perf_counter()
         rollouts = self._run_rollouts([self.env.initial_messages(s) for s in local], params)
         exact_match = RewardExactMatch()
-        results = [(s.data_source or "all", exact_match.score(r.messages, s.golden_answers), r.num_tool_calls,
+        results = [(s.data_source or "all", exact_match.correct(r.messages, s.golden_answers), r.num_tool_calls,
                     r.num_turns, r.status.value) for s, r in zip(local, rollouts, strict=True)]
         results = gather_object(results)
         by_source: dict[str, list[float]] = defaultdict(list)
