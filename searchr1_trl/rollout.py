@@ -2,7 +2,7 @@
 
 A task supplies a :class:`MessageEnv` (initial messages, tools, and a ``step`` that answers the latest assistant
 message); the :class:`RolloutEngine` owns everything else. One turn: generate from token ids -> parse the assistant
-message with the tokenizer's response parser -> ``env.step`` -> append the environment's messages as tokens -> next
+message (:mod:`searchr1_trl.parsing`) -> ``env.step`` -> append the environment's messages as tokens -> next
 turn.
 
 Token-in/token-out. A rollout's sequence is ``prompt_ids`` followed by ``completion_ids``: the model's generated ids,
@@ -19,7 +19,8 @@ Budgets, checked in this order every turn, decide how a rollout ends (:class:`Ro
 
 - a turn used all its ``max_tokens`` (``finish_reason == "length"``) -> ``TRUNCATED_LENGTH``; a turn's ``max_tokens``
   is also capped so prompt + completion never exceed ``max_rollout_tokens``;
-- the assistant message cannot be parsed (malformed tool-call JSON) -> ``ERROR_PARSE``;
+- the assistant message cannot be parsed (malformed tool-call JSON; the rules: :mod:`searchr1_trl.parsing`) ->
+  ``ERROR_PARSE``;
 - ``env.step`` takes longer than ``step_timeout_s`` -> ``ERROR_TIMEOUT``;
 - the environment is done -> ``DONE``;
 - it wants another turn but ``max_turns`` turns were generated -> ``TRUNCATED_MAX_TURNS``;
@@ -36,13 +37,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
-import json
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from searchr1_trl.generation import Generation, Generator, SamplingParams
+from searchr1_trl.parsing import response_parser
 
 
 class RolloutStatus(str, enum.Enum):
@@ -119,7 +119,8 @@ class RolloutConfig:
         metadata={
             "help": "Also read an assistant turn that is nothing but JSON objects {\"name\": <one of the env's "
             "tools>, \"arguments\": {...}} (one per line) as tool calls. Some small models (Qwen2.5-Coder-0.5B-"
-            "Instruct) call tools this way instead of in their chat template's format (<tool_call>...</tool_call>)."
+            "Instruct) call tools this way instead of in their chat template's format (<tool_call>...</tool_call>); "
+            "searchr1_trl/parsing.py says what is repaired."
         },
     )
 
@@ -166,8 +167,7 @@ class RolloutEngine:
         self.env = env
         self.config = config or RolloutConfig()
         self._chat_template = _prefix_preserving_chat_template(tokenizer)
-        self._parse = _response_parser(tokenizer, env.tools)
-        self._tool_names = {tool["function"]["name"] for tool in env.tools}
+        self._parse = response_parser(tokenizer, env.tools, bare_json_tool_calls=self.config.bare_json_tool_calls)
 
     async def run(self, samples: list, params: SamplingParams) -> list[Rollout]:
         """Roll out every sample concurrently; results in input order.
@@ -203,7 +203,7 @@ class RolloutEngine:
             env_mask += [1] * len(generation.token_ids)
             logprobs += generation.logprobs
 
-            message = None if generation.finish_reason == "length" else self._parse_turn(generation.token_ids, sequence)
+            message = None if generation.finish_reason == "length" else self._parse(generation.token_ids, sequence)
             if message is None:
                 messages.append({"role": "assistant", "content": self._decode(generation.token_ids)})
                 status = RolloutStatus.TRUNCATED_LENGTH if generation.finish_reason == "length" else RolloutStatus.ERROR_PARSE
@@ -239,13 +239,6 @@ class RolloutEngine:
             num_tool_calls=sum(len(m.get("tool_calls") or []) for m in messages if m["role"] == "assistant"),
             timings=timings,
         )
-
-    def _parse_turn(self, generated_ids: list[int], prompt_ids: list[int]) -> dict | None:
-        """The assistant message of a finished turn; None if it cannot be parsed."""
-        message = self._parse(generated_ids, prompt_ids)
-        if message is not None and self.config.bare_json_tool_calls:
-            message = _bare_json_tool_call(message, self._tool_names)
-        return message
 
     def _room(self, sequence: list[int]) -> int:
         """How many tokens may still be generated after ``sequence``; 0 means the prompt is too long."""
@@ -308,149 +301,3 @@ def _prefix_preserving_chat_template(tokenizer) -> str | None:
     if is_chat_template_prefix_preserving(tokenizer):
         return None
     return get_training_chat_template(tokenizer)
-
-
-def _response_parser(tokenizer, tools: list[dict]):
-    """``parse(generated_ids, prefix_ids) -> assistant message | None`` (None: the response cannot be parsed).
-
-    Uses the tokenizer's response parser, with TRL's response template for chat templates it knows (Qwen2.5/3,
-    Llama 3, ...); chat templates neither knows get :func:`_parse_tool_call_blocks` on the decoded text.
-    """
-    from trl.chat_template_utils import add_response_schema
-
-    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
-        try:
-            add_response_schema(tokenizer)  # sets it on the tokenizer in place, as GRPOTrainer does
-        except ValueError:
-            return lambda ids, prefix: _parse_tool_call_blocks(tokenizer.decode(ids, skip_special_tokens=True))
-
-    def parse(ids: list[int], prefix: list[int]) -> dict | None:
-        if ids and ids[-1] != tokenizer.eos_token_id and ids[-1] in tokenizer.all_special_ids:
-            ids = ids[:-1]  # another stop token (Qwen's <|endoftext|>): the parser would keep it as content
-        try:
-            parsed = tokenizer.parse_response(ids, prefix=prefix, tools=tools or None)
-        except ValueError:  # the parser's way of saying a tool call is not valid JSON
-            return None
-        return _assistant_message(parsed)
-
-    return parse
-
-
-def _assistant_message(parsed: Any) -> dict | None:
-    """The parser's output as the contract's assistant message; None if a tool call lacks a name or arguments.
-
-    ``{"content": "Paris"}`` -> ``{"role": "assistant", "content": "Paris"}``;
-    ``{"tool_calls": [{"type": "function", "function": ["a"]}]}`` -> None.
-    """
-    if not isinstance(parsed, dict):
-        return None
-    calls = parsed.get("tool_calls") or []
-    well_formed = isinstance(calls, list) and all(
-        isinstance(call, dict)
-        and isinstance(call.get("function"), dict)
-        and isinstance(call["function"].get("name"), str)
-        and isinstance(call["function"].get("arguments", {}), (dict, str))
-        for call in calls
-    )
-    if not well_formed:
-        return None
-    message = {"role": "assistant", "content": (parsed.get("content") or "").strip()}
-    if parsed.get("reasoning_content"):
-        message["reasoning_content"] = parsed["reasoning_content"]
-    if calls:
-        message["tool_calls"] = [
-            {"type": "function", "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})}}
-            for c in calls
-        ]
-    return message
-
-
-_FENCE_OPEN = re.compile(r"^```(?:json)?\s*")
-_FENCE_CLOSE = re.compile(r"\s*```$")
-_WHITESPACE = re.compile(r"\s*")
-
-
-def _repaired_json(text: str) -> Any:
-    """``text`` as JSON, after adding the one or two closing braces a small model may have left off; None if not."""
-    for suffix in ("", "}", "}}"):
-        try:
-            return json.loads(text + suffix)
-        except json.JSONDecodeError:
-            continue
-    return None
-
-
-def _loads_calls(text: str) -> list | None:
-    """The JSON values of bare tool calls as small models write them, one or several separated by whitespace (one
-    per line); None if the text is not such a sequence even after repair.
-
-    Repairs the two slips Qwen2.5-Coder-0.5B makes: Markdown code fences around the calls (either or both), and one
-    or two closing braces missing at the end. ``'```json\n{"a": {"b": 1}\n```'`` -> ``[{"a": {"b": 1}}]``.
-    """
-    text = _FENCE_CLOSE.sub("", _FENCE_OPEN.sub("", text.strip()))
-    decoder, values, position = json.JSONDecoder(), [], 0
-    while position < len(text):
-        try:
-            value, end = decoder.raw_decode(text, position)
-        except json.JSONDecodeError:
-            last = _repaired_json(text[position:])
-            return None if last is None else [*values, last]
-        values.append(value)
-        position = _WHITESPACE.match(text, end).end()
-    return values or None
-
-
-def _as_call(value: Any, tool_names: set[str]) -> dict | None:
-    """The tool call a bare JSON value stands for; None if it is no call.
-
-    A JSON object is a call when it names one of ``tool_names``, or names anything with an ``arguments`` field: a
-    call of an unknown tool is still a call (the environment answers it with an error), not a final answer; read
-    as an answer it would end the rollout, which a policy learns to exploit when finishing pays more than a
-    budget cut.
-    """
-    if not (isinstance(value, dict) and isinstance(value.get("name"), str)
-            and (value["name"] in tool_names or "arguments" in value)
-            and isinstance(value.get("arguments", {}), (dict, str))):
-        return None
-    return {"type": "function", "function": {"name": value["name"], "arguments": value.get("arguments", {})}}
-
-
-def _bare_json_tool_call(message: dict, tool_names: set[str]) -> dict:
-    """``message``, with content that is only JSON tool calls read as those calls (see :func:`_as_call`).
-
-    ``'{"name": "search", "arguments": {"query": "x"}}'`` -> content ``""`` and one call of ``search``; so is the same
-    call in code fences or missing its last braces, and several such objects one per line are several calls
-    (:func:`_loads_calls`). Any other content (text, other JSON, a call followed by a non-call, JSON that cannot be
-    repaired) is left as it is.
-    """
-    values = _loads_calls(message["content"]) if not message.get("tool_calls") else None
-    calls = [_as_call(value, tool_names) for value in values or []]
-    if not calls or None in calls:
-        return message
-    return {**message, "content": "", "tool_calls": calls}
-
-
-_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def _parse_tool_call_blocks(text: str) -> dict | None:
-    """Hermes-style ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks, for templates TRL doesn't know.
-
-    ``'Hi<tool_call>{"name": "f", "arguments": {}}</tool_call>'`` -> content ``"Hi"`` and one call of ``f``;
-    an unclosed ``<tool_call>`` or a block that is not a JSON object -> None.
-    """
-    text = _THINK.sub("", text)
-    blocks = _TOOL_CALL.findall(text)
-    if len(blocks) != text.count("<tool_call>"):
-        return None
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(call, dict):
-            return None
-        calls.append({"type": "function", "function": {"name": call.get("name"), "arguments": call.get("arguments", {})}})
-    return _assistant_message({"content": text.split("<tool_call>", 1)[0], "tool_calls": calls})

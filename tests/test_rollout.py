@@ -19,7 +19,6 @@ from searchr1_trl.rollout import (
     RolloutConfig,
     RolloutEngine,
     RolloutStatus,
-    _parse_tool_call_blocks,
 )
 
 LOOKUP_TOOL = {
@@ -265,14 +264,6 @@ def test_a_turn_ended_by_another_stop_token_gets_the_templates_end_of_turn_as_en
     assert tokenizer.decode(runs(rollout, 0)[0]).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>")
 
 
-def test_thinking_is_kept_out_of_the_content_the_env_gets(tokenizer):
-    [rollout], _, env = roll(tokenizer, {"q": ["<think>\nIt is Paris.\n</think>\n\nParis<|im_end|>"]},
-                             RolloutConfig(enable_thinking=True))
-
-    assert env.stepped[0]["content"] == "Paris"
-    assert env.stepped[0]["reasoning_content"] == "It is Paris."
-
-
 def test_a_slow_env_step_does_not_hold_back_other_rollouts(tokenizer):
     script = {"slow": [call("slow"), "A<|im_end|>"], "fast": [call("fast"), call("fast again"), "B<|im_end|>"]}
     generator = ScriptedGenerator(tokenizer, script)
@@ -305,69 +296,6 @@ def test_bare_json_tool_calls_are_tool_calls_only_when_enabled(tokenizer):
     assert tokenizer.decode(runs(lenient, 1)[0]) == bare  # the model's own tokens, not the template's rendering
 
 
-def test_bare_json_call_of_an_unknown_tool_is_a_call_not_an_answer(tokenizer):
-    # The trained 0.5B learned to end rollouts with such a "call" when it was read as a (wrong) final answer.
-    unknown = '{"name": "tool_response", "arguments": {"query": "a"}}\n```<|im_end|>'
-    [rollout], _, _ = roll(tokenizer, {"q": [unknown, "Paris<|im_end|>"]}, RolloutConfig(bare_json_tool_calls=True))
-
-    assert rollout.messages[1]["tool_calls"][0]["function"] == {"name": "tool_response", "arguments": {"query": "a"}}
-    assert (rollout.status, rollout.messages[-1]["content"]) == (RolloutStatus.DONE, "Paris")
-
-
-def test_bare_json_that_is_no_call_stays_an_answer(tokenizer):
-    for answer in ('{"name": "Paris"}', '["search"]', '{"answer": "Paris"}'):
-        [rollout], _, _ = roll(tokenizer, {"q": [answer + "<|im_end|>"]}, RolloutConfig(bare_json_tool_calls=True))
-        assert (rollout.status, rollout.num_tool_calls, rollout.messages[-1]["content"]) == (
-            RolloutStatus.DONE, 0, answer)
-
-
-def test_the_fallback_parser_reads_hermes_tool_call_blocks():
-    assert _parse_tool_call_blocks('Hi<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>') == {
-        "role": "assistant", "content": "Hi",
-        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}],
-    }
-    assert _parse_tool_call_blocks("<think>hmm</think>Paris") == {"role": "assistant", "content": "Paris"}
-    assert _parse_tool_call_blocks('<tool_call>{"name": "f"') is None
-    assert _parse_tool_call_blocks("<tool_call>[1]</tool_call>") is None
-
-
 def test_config_rejects_budgets_that_cannot_work():
     with pytest.raises(ValueError, match="max_turns >= 1"):
         RolloutConfig(max_turns=0)
-
-
-@pytest.mark.parametrize("slip", [
-    '```json\n{"name": "lookup", "arguments": {"query": "a"}}\n```',  # in a code fence
-    '```\n{"name": "lookup", "arguments": {"query": "a"}}\n```',
-    '{"name": "lookup", "arguments": {"query": "a"}}\n```',  # a closing fence only
-    '{"name": "lookup", "arguments": {"query": "a"}',  # last brace missing
-    '{"name": "lookup", "arguments": {"query": "a"',  # both missing
-])
-def test_bare_json_calls_with_the_small_models_slips_are_repaired(tokenizer, slip):
-    [rollout], _, _ = roll(tokenizer, {"q": [slip + "<|im_end|>", "Paris<|im_end|>"]},
-                           RolloutConfig(bare_json_tool_calls=True))
-
-    assert rollout.messages[1]["tool_calls"] == [
-        {"type": "function", "function": {"name": "lookup", "arguments": {"query": "a"}}}]
-    assert rollout.messages[-1]["content"] == "Paris"
-
-
-def test_bare_json_calls_one_per_line_are_several_calls_unless_one_is_no_call(tokenizer):
-    two = '{"name": "lookup", "arguments": {"query": "a"}}\n{"name": "lookup", "arguments": {"query": "b"}'
-    mixed = '{"name": "lookup", "arguments": {"query": "a"}}\n{"response": "Paris"}'
-    config = RolloutConfig(bare_json_tool_calls=True)
-
-    [several], _, _ = roll(tokenizer, {"q": [two + "<|im_end|>", "Paris<|im_end|>"]}, config)
-    [answer], _, _ = roll(tokenizer, {"q": [mixed + "<|im_end|>"]}, config)
-
-    assert [c["function"]["arguments"] for c in several.messages[1]["tool_calls"]] == [{"query": "a"}, {"query": "b"}]
-    assert [m["content"] for m in several.messages if m["role"] == "tool"] == ["result for a", "result for b"]
-    assert (answer.status, answer.num_tool_calls, answer.messages[-1]["content"]) == (RolloutStatus.DONE, 0, mixed)
-
-
-def test_bare_json_beyond_repair_stays_an_answer(tokenizer):
-    broken = '{"name": "lookup", "arguments": {"que'  # cut inside a string
-    [rollout], _, _ = roll(tokenizer, {"q": [broken + "<|im_end|>"]}, RolloutConfig(bare_json_tool_calls=True))
-
-    assert (rollout.status, rollout.num_tool_calls, rollout.messages[-1]["content"]) == (
-        RolloutStatus.DONE, 0, broken)

@@ -1,0 +1,190 @@
+"""Assistant text -> message + tool calls: how a finished turn's tokens become the message the environment reads.
+
+This is where small-model rollouts actually fail, so every rule is here and nowhere else. :func:`response_parser`
+returns ``parse(generated_ids, prefix_ids) -> message | None``; the rollout engine ends a rollout whose turn parses
+to None as ``ERROR_PARSE``. A message is ``{"role": "assistant", "content": str}`` plus ``"tool_calls": [{"type":
+"function", "function": {"name": str, "arguments": dict | str}}]`` when the turn called tools, and
+``"reasoning_content"`` when the template separates thinking. Three readers, in this order:
+
+1. **The tokenizer's response parser**, with TRL's response schema for the chat templates TRL knows (Qwen2.5/3,
+   Llama 3, ...), set on the tokenizer as ``GRPOTrainer`` does. Tool-call JSON it cannot read is a parse failure.
+   A turn ended by a special token other than eos (Qwen's ``<|endoftext|>``) is parsed without it.
+2. **Hermes ``<tool_call>`` blocks** (:func:`parse_tool_call_blocks`) on the decoded text, for templates neither
+   transformers nor TRL knows. An unclosed block or one that is not a JSON object is a parse failure.
+3. **Bare JSON calls** (opt-in, ``bare_json_tool_calls``), applied to a message the first two read without tool
+   calls: content that is nothing but ``{"name": ..., "arguments": {...}}`` objects, one per line, is read as those
+   calls. Small models (Qwen2.5-Coder-0.5B-Instruct) call tools this way; the two slips they make (Markdown code
+   fences, one or two closing braces missing at the end) are repaired. A call of an unknown tool is still a call
+   (the environment answers it with an error), never a final answer. Anything else stays the answer it was: this
+   reader never fails a turn.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+Parser = Callable[[list[int], list[int]], dict | None]
+
+
+def response_parser(tokenizer, tools: list[dict], bare_json_tool_calls: bool = False) -> Parser:
+    """``parse(generated_ids, prefix_ids) -> assistant message | None`` (None: the turn cannot be parsed).
+
+    Uses the tokenizer's response parser, with TRL's response template for chat templates it knows (Qwen2.5/3,
+    Llama 3, ...); chat templates neither knows get :func:`parse_tool_call_blocks` on the decoded text. With
+    ``bare_json_tool_calls``, a parsed message without tool calls goes through :func:`_bare_json_tool_call`.
+    """
+    parse = _template_parser(tokenizer, tools)
+    if not bare_json_tool_calls:
+        return parse
+    tool_names = {tool["function"]["name"] for tool in tools}
+
+    def parse_with_bare_json(ids: list[int], prefix: list[int]) -> dict | None:
+        message = parse(ids, prefix)
+        return None if message is None else _bare_json_tool_call(message, tool_names)
+
+    return parse_with_bare_json
+
+
+def _template_parser(tokenizer, tools: list[dict]) -> Parser:
+    """Readers 1 and 2 of the module docstring: the tokenizer's response parser, else ``<tool_call>`` blocks."""
+    from trl.chat_template_utils import add_response_schema
+
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        try:
+            add_response_schema(tokenizer)  # sets it on the tokenizer in place, as GRPOTrainer does
+        except ValueError:
+            return lambda ids, prefix: parse_tool_call_blocks(tokenizer.decode(ids, skip_special_tokens=True))
+
+    def parse(ids: list[int], prefix: list[int]) -> dict | None:
+        if ids and ids[-1] != tokenizer.eos_token_id and ids[-1] in tokenizer.all_special_ids:
+            ids = ids[:-1]  # another stop token (Qwen's <|endoftext|>): the parser would keep it as content
+        try:
+            parsed = tokenizer.parse_response(ids, prefix=prefix, tools=tools or None)
+        except ValueError:  # the parser's way of saying a tool call is not valid JSON
+            return None
+        return _assistant_message(parsed)
+
+    return parse
+
+
+def _assistant_message(parsed: Any) -> dict | None:
+    """The parser's output as the contract's assistant message; None if a tool call lacks a name or arguments.
+
+    ``{"content": "Paris"}`` -> ``{"role": "assistant", "content": "Paris"}``;
+    ``{"tool_calls": [{"type": "function", "function": ["a"]}]}`` -> None.
+    """
+    if not isinstance(parsed, dict):
+        return None
+    calls = parsed.get("tool_calls") or []
+    well_formed = isinstance(calls, list) and all(
+        isinstance(call, dict)
+        and isinstance(call.get("function"), dict)
+        and isinstance(call["function"].get("name"), str)
+        and isinstance(call["function"].get("arguments", {}), (dict, str))
+        for call in calls
+    )
+    if not well_formed:
+        return None
+    message = {"role": "assistant", "content": (parsed.get("content") or "").strip()}
+    if parsed.get("reasoning_content"):
+        message["reasoning_content"] = parsed["reasoning_content"]
+    if calls:
+        message["tool_calls"] = [
+            {"type": "function", "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})}}
+            for c in calls
+        ]
+    return message
+
+
+_FENCE_OPEN = re.compile(r"^```(?:json)?\s*")
+_FENCE_CLOSE = re.compile(r"\s*```$")
+_WHITESPACE = re.compile(r"\s*")
+
+
+def _repaired_json(text: str) -> Any:
+    """``text`` as JSON, after adding the one or two closing braces a small model may have left off; None if not."""
+    for suffix in ("", "}", "}}"):
+        try:
+            return json.loads(text + suffix)
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def _loads_calls(text: str) -> list | None:
+    """The JSON values of bare tool calls as small models write them, one or several separated by whitespace (one
+    per line); None if the text is not such a sequence even after repair.
+
+    Repairs the two slips Qwen2.5-Coder-0.5B makes: Markdown code fences around the calls (either or both), and one
+    or two closing braces missing at the end. ``'```json\n{"a": {"b": 1}\n```'`` -> ``[{"a": {"b": 1}}]``.
+    """
+    text = _FENCE_CLOSE.sub("", _FENCE_OPEN.sub("", text.strip()))
+    decoder, values, position = json.JSONDecoder(), [], 0
+    while position < len(text):
+        try:
+            value, end = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            last = _repaired_json(text[position:])
+            return None if last is None else [*values, last]
+        values.append(value)
+        position = _WHITESPACE.match(text, end).end()
+    return values or None
+
+
+def _as_call(value: Any, tool_names: set[str]) -> dict | None:
+    """The tool call a bare JSON value stands for; None if it is no call.
+
+    A JSON object is a call when it names one of ``tool_names``, or names anything with an ``arguments`` field: a
+    call of an unknown tool is still a call (the environment answers it with an error), not a final answer; read
+    as an answer it would end the rollout, which a policy learns to exploit when finishing pays more than a
+    budget cut.
+    """
+    if not (isinstance(value, dict) and isinstance(value.get("name"), str)
+            and (value["name"] in tool_names or "arguments" in value)
+            and isinstance(value.get("arguments", {}), (dict, str))):
+        return None
+    return {"type": "function", "function": {"name": value["name"], "arguments": value.get("arguments", {})}}
+
+
+def _bare_json_tool_call(message: dict, tool_names: set[str]) -> dict:
+    """``message``, with content that is only JSON tool calls read as those calls (see :func:`_as_call`).
+
+    ``'{"name": "search", "arguments": {"query": "x"}}'`` -> content ``""`` and one call of ``search``; so is the same
+    call in code fences or missing its last braces, and several such objects one per line are several calls
+    (:func:`_loads_calls`). Any other content (text, other JSON, a call followed by a non-call, JSON that cannot be
+    repaired) is left as it is.
+    """
+    values = _loads_calls(message["content"]) if not message.get("tool_calls") else None
+    calls = [_as_call(value, tool_names) for value in values or []]
+    if not calls or None in calls:
+        return message
+    return {**message, "content": "", "tool_calls": calls}
+
+
+_THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_call_blocks(text: str) -> dict | None:
+    """Hermes-style ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks, for templates TRL doesn't know.
+
+    ``'Hi<tool_call>{"name": "f", "arguments": {}}</tool_call>'`` -> content ``"Hi"`` and one call of ``f``;
+    an unclosed ``<tool_call>`` or a block that is not a JSON object -> None.
+    """
+    text = _THINK.sub("", text)
+    blocks = _TOOL_CALL.findall(text)
+    if len(blocks) != text.count("<tool_call>"):
+        return None
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict):
+            return None
+        calls.append({"type": "function", "function": {"name": call.get("name"), "arguments": call.get("arguments", {})}})
+    return _assistant_message({"content": text.split("<tool_call>", 1)[0], "tool_calls": calls})
