@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -21,18 +22,21 @@ class RetrieverProcess:
     log_file: str | None = None
     extra_args: tuple[str, ...] = ()
     startup_timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)  # extra environment, e.g. CUDA_VISIBLE_DEVICES
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/retrieve"
 
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "retriever_server.server", "--index_path", self.index_path, "--corpus_path",
+                self.corpus_path, "--retriever_model", self.retriever_model, "--port", str(self.port),
+                *self.extra_args]
+
     def __enter__(self) -> "RetrieverProcess":
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "retriever_server.server", "--index_path", self.index_path, "--corpus_path",
-             self.corpus_path, "--retriever_model", self.retriever_model, "--port", str(self.port), *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
+        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **self.env})
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -6,6 +6,15 @@ reward/EM curves (PNG) and a summary -> servers stopped.
     python scripts/offline_job.py                     # the CPU recipe (configs/offline.yaml)
     python scripts/offline_job.py --max_steps 2       # extra flags go to scripts/train.py
     python scripts/offline_job.py --config offline_gpu --output_dir runs/offline_gpu --corpus full   # one GPU
+    python scripts/offline_job.py --config offline_gpu --corpus full --generator vllm --weight_sync nccl \
+        --generator_gpu 0 --trainer_gpu 1 --retriever_gpu 1 --launcher accelerate                    # two GPUs
+    python scripts/offline_job.py ... --dry_run      # print the three launch commands as JSON and exit
+
+GPU plans: ``generator: vllm`` starts ``trl vllm-serve`` on ``--generator_gpu`` (its memory share is
+``--generator_gpu_memory_utilization``, low when it shares the GPU with the trainer). With ``weight_sync: reload``
+the weights go through a folder under ``/dev/shm`` (tmpfs: no disk in the way), the only push that works when
+generator and trainer share one GPU (two processes on one GPU cannot form an NCCL pair); ``weight_sync: nccl``
+needs them on different GPUs. The retriever searches on ``--retriever_gpu`` (flat index, torch backend).
 
 On a 2-core CPU the whole SQuAD-open corpus (31k passages) takes ~12 minutes to embed, so the job indexes a slice
 that still holds every answer it asks about: the paragraphs of the first ``--test_articles`` SQuAD dev articles
@@ -19,6 +28,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -27,9 +37,10 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from searchr1_trl.assets import prepare
-from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 from retriever_server.launch import RetrieverProcess
+from searchr1_trl.assets import prepare
+from searchr1_trl.trainer import resolve_generator
+from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("offline_job")
@@ -90,6 +101,62 @@ def plot(log_history: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def gpu_env(devices: str | None) -> dict[str, str]:
+    """The environment of a process pinned to ``devices`` (CUDA_VISIBLE_DEVICES), or nothing to change."""
+    return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
+
+
+def trainer_command(args, recipe: dict, data: dict, generator: VLLMServerConfig, out: Path,
+                    train_overrides: list[str]) -> list[str]:
+    """scripts/train.py with the job's data, servers and output folder, under accelerate launch if asked."""
+    launcher = [sys.executable]
+    if args.launcher == "accelerate":
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                    str(ROOT / "accelerate_configs" / "single_gpu.yaml")]
+    sync_dir = Path("/dev/shm" if Path("/dev/shm").is_dir() else out) / f"searchr1_{out.name}_weights"
+    return [
+        *launcher, str(ROOT / "scripts" / "train.py"), "--config", args.config,
+        "--model_name_or_path", data["model"], "--output_dir", str(out),
+        "--train_data_path", data["train"], "--eval_data_path", data["test"], "--eval_on_start", "true",
+        "--search_url", f"http://127.0.0.1:{args.retriever_port}/retrieve",
+        "--generator", args.generator or resolve_generator(recipe.get("generator", "vllm")),
+        *(["--weight_sync", args.weight_sync] if args.weight_sync else []),
+        "--vllm_server_base_url", generator.base_url, "--weight_sync_dir", str(sync_dir),
+        *train_overrides,
+    ]
+
+
+def rollouts_per_step(recipe: dict, train_overrides: list[str]) -> int:
+    """Training rollouts per optimizer step on one process (the generation batch)."""
+    fields = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 8, **recipe}
+    for name in fields:
+        if f"--{name}" in train_overrides:
+            fields[name] = train_overrides[train_overrides.index(f"--{name}") + 1]
+    return int(fields["per_device_train_batch_size"]) * int(fields["gradient_accumulation_steps"])
+
+
+def time_split(history: list[dict], rollouts_per_step: int) -> dict[str, float]:
+    """Mean seconds per optimizer step: rollouts, weight sync, the rest of TRL's step (scoring and the policy
+    update), and validation; plus rollout throughput. TRL's ``step_time`` spans the whole step."""
+    train = [e for e in history if "step_time" in e]
+    if not train:
+        return {}
+
+    def mean(key: str) -> float:
+        values = [e.get(key, 0.0) for e in train]
+        return sum(values) / len(values)
+
+    step, rollout, sync = mean("step_time"), mean("rollout/time_s"), mean("weight_sync/time_s")
+    evals = [e["eval_runtime"] for e in history if "eval_runtime" in e]
+    return {
+        "step": round(step, 2), "rollout": round(rollout, 2), "weight_sync": round(sync, 3),
+        "policy_update": round(step - rollout - sync, 2),
+        "evaluation_each": round(sum(evals) / len(evals), 2) if evals else None,
+        "rollout_tokens_per_s": round(mean("rollout/generated_tokens") / rollout, 1) if rollout else None,
+        "rollouts_per_s": round(rollouts_per_step / rollout, 2) if rollout else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="offline", help="recipe in configs/ (offline or offline_gpu)")
@@ -102,49 +169,73 @@ def main() -> None:
     parser.add_argument("--distractors", type=int, default=500)
     parser.add_argument("--retriever_port", type=int, default=8000)
     parser.add_argument("--generator_port", type=int, default=8001)
+    parser.add_argument("--generator", choices=["vllm", "transformers"], help="override the recipe's generator")
+    parser.add_argument("--weight_sync", choices=["reload", "nccl"], help="override the recipe's weight_sync")
+    parser.add_argument("--generator_gpu", help="CUDA_VISIBLE_DEVICES of the vLLM server")
+    parser.add_argument("--trainer_gpu", help="CUDA_VISIBLE_DEVICES of the trainer")
+    parser.add_argument("--retriever_gpu", help="CUDA_VISIBLE_DEVICES of the retriever; set: search on that GPU")
+    parser.add_argument("--generator_gpu_memory_utilization", type=float, default=0.3,
+                        help="vLLM's share of its GPU (low: it shares the GPU with the trainer or retriever)")
+    parser.add_argument("--generator_enforce_eager", action="store_true",
+                        help="vLLM without CUDA graphs on GPU (faster start; always on for CPU)")
+    parser.add_argument("--launcher", choices=["python", "accelerate"], default="python")
+    parser.add_argument("--model", help="model folder to train and serve (default: the offline model)")
+    parser.add_argument("--dry_run", action="store_true", help="print the launch commands as JSON and exit")
     args, train_overrides = parser.parse_known_args()
     logging.basicConfig(level=logging.INFO, format="[offline_job %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     start = time.monotonic()
     out = (ROOT / args.output_dir).resolve()
 
+    recipe = yaml.safe_load((ROOT / "configs" / f"{args.config}.yaml").read_text())
+    uses_vllm = (args.generator or resolve_generator(recipe.get("generator", "vllm"))) == "vllm"
     assets = prepare()
-    if args.corpus == "slice":
+    if args.dry_run:
+        data = {"corpus": assets.corpus, "train": assets.train_questions, "test": assets.test_questions}
+    elif args.corpus == "slice":
         data = slice_data(assets, out / "data", args.train_articles, args.test_articles, args.distractors)
     else:
         data = {"corpus": assets.corpus, "train": assets.train_questions, "test": assets.test_questions}
+    data["model"] = args.model or assets.model
     index = out / "data" / "index.faiss"
+    generator = VLLMServerConfig.for_this_machine(
+        data["model"], port=args.generator_port, log_file=str(out / "vllm.log"),
+        gpu_memory_utilization=args.generator_gpu_memory_utilization, env=gpu_env(args.generator_gpu),
+        **({"enforce_eager": True} if args.generator_enforce_eager else {}))
+    retriever = RetrieverProcess(
+        index_path=str(index), corpus_path=data["corpus"], retriever_model=assets.embedder, port=args.retriever_port,
+        log_file=str(out / "retriever.log"), env=gpu_env(args.retriever_gpu),
+        extra_args=("--faiss_gpu", "--gpu_backend", "torch") if args.retriever_gpu is not None else ())
+    trainer = trainer_command(args, recipe, data, generator, out, train_overrides)
+    if args.dry_run:
+        print(json.dumps({
+            "retriever": {"command": retriever.command(), "env": retriever.env},
+            "generator": {"command": generator.command(), "env": generator.env} if uses_vllm else None,
+            "trainer": {"command": trainer, "env": gpu_env(args.trainer_gpu)},
+        }, indent=2))
+        return
     index.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", data["corpus"],
-                    "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)
-    generator = VLLMServerConfig.for_this_machine(assets.model, port=args.generator_port,
-                                                  log_file=str(out / "vllm.log"))
-    recipe = yaml.safe_load((ROOT / "configs" / f"{args.config}.yaml").read_text())
-    uses_vllm = recipe.get("generator", "vllm") == "vllm"
+                    "--retriever_model", assets.embedder, "--index_path", str(index)], check=True,
+                   env={**os.environ, **gpu_env(args.retriever_gpu)})
     with contextlib.ExitStack() as servers:
-        servers.enter_context(RetrieverProcess(index_path=str(index), corpus_path=data["corpus"],
-                                               retriever_model=assets.embedder, port=args.retriever_port,
-                                               log_file=str(out / "retriever.log")))
+        servers.enter_context(retriever)
         if uses_vllm:
             servers.enter_context(VLLMServer(generator))
         logger.info("servers up after %.0fs; training", time.monotonic() - start)
-        subprocess.run([
-            sys.executable, str(ROOT / "scripts" / "train.py"), "--config", args.config,
-            "--model_name_or_path", assets.model, "--output_dir", str(out),
-            "--train_data_path", data["train"], "--eval_data_path", data["test"], "--eval_on_start", "true",
-            "--search_url", f"http://127.0.0.1:{args.retriever_port}/retrieve",
-            "--vllm_server_base_url", generator.base_url, "--weight_sync_dir", str(out / "generator_weights"),
-            *train_overrides,
-        ], check=True)
+        subprocess.run(trainer, check=True, env={**os.environ, **gpu_env(args.trainer_gpu)})
 
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     plot(history, out / "curves.png")
     evals = [e for e in history if "eval_em" in e]
     summary = {
-        "em_before": evals[0]["eval_em"], "em_after": evals[-1]["eval_em"],
+        "em_before": evals[0]["eval_em"] if evals else None, "em_after": evals[-1]["eval_em"] if evals else None,
         "steps": max(e["step"] for e in history), "wall_time_s": round(time.monotonic() - start),
         "rewards": [e["reward"] for e in history if "reward" in e],
         "searches_per_rollout_before_after": [evals[0].get("eval_searches_per_rollout"),
-                                              evals[-1].get("eval_searches_per_rollout")],
+                                              evals[-1].get("eval_searches_per_rollout")] if evals else None,
+        "eval_em_by_step": {e["step"]: e["eval_em"] for e in evals},
+        "train_runtime_s": next((e["train_runtime"] for e in history if "train_runtime" in e), None),
+        "per_step_s": time_split(history, rollouts_per_step=rollouts_per_step(recipe, train_overrides)),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     pd.DataFrame(history).to_csv(out / "log_history.csv", index=False)

@@ -21,6 +21,7 @@ optimizer step, temperature 1.0, top_p 1.0, 512 tokens per turn.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -83,7 +84,12 @@ class SearchR1Config(GRPOConfig):
     eval_data_path: str | None = field(default=None, metadata={"help": "Local validation parquet (else the Hub)."})
     eval_filename: str = field(default="test.parquet", metadata={"help": "Validation file inside the repo."})
     eval_data_source: str | None = field(default="nq", metadata={"help": "Validation data_source (None: all)."})
-    eval_num_samples: int = field(default=500, metadata={"help": "First N validation rows, file order."})
+    eval_num_samples: int = field(default=500, metadata={"help": "Validation questions (see eval_sample_seed)."})
+    eval_sample_seed: int | None = field(
+        default=None,
+        metadata={"help": "None: the first eval_num_samples rows in file order (the seed's slice); a seed: a seeded "
+                          "random sample of the file (files sorted by article put one article first)."},
+    )
 
     # --- search environment ---
     search_url: str = field(default="http://127.0.0.1:8000/retrieve", metadata={"help": "Retrieval server URL."})
@@ -110,7 +116,9 @@ class SearchR1Config(GRPOConfig):
 
     # --- generator ---
     generator: str = field(
-        default="vllm", metadata={"help": "`vllm`: a `trl vllm-serve` server; `transformers`: the trained model."}
+        default="vllm",
+        metadata={"help": "`vllm`: a `trl vllm-serve` server; `transformers`: the trained model, in-process; `auto`: "
+                          "vllm where the vllm package is installed, else transformers."},
     )
     weight_sync: str = field(
         default="reload",
@@ -120,8 +128,7 @@ class SearchR1Config(GRPOConfig):
     generator_max_concurrency: int = field(default=256, metadata={"help": "Generation requests in flight."})
 
     def __post_init__(self):
-        if self.generator not in ("vllm", "transformers"):
-            raise ValueError(f"generator={self.generator!r}; expected 'vllm' or 'transformers'")
+        self.generator = resolve_generator(self.generator)
         if self.weight_sync not in ("reload", "nccl"):
             raise ValueError(f"weight_sync={self.weight_sync!r}; expected 'reload' or 'nccl'")
         # TRL's own vLLM client is only needed for its NCCL weight transfer; rollouts use our generator.
@@ -150,7 +157,8 @@ class SearchR1Config(GRPOConfig):
     def eval_stream_config(self) -> SearchR1DatasetConfig:
         return SearchR1DatasetConfig(
             filename=self.eval_filename, repo_id=self.train_repo_id, data_path=self.eval_data_path,
-            data_source=self.eval_data_source, shuffle=False,
+            data_source=self.eval_data_source, shuffle=self.eval_sample_seed is not None,
+            seed=self.eval_sample_seed or 0,
         )
 
     def rubric(self) -> Rubric:
@@ -159,6 +167,15 @@ class SearchR1Config(GRPOConfig):
                                    answer_f1=self.answer_f1)
         )
         return Rubric([exact_match], truncation_reward=self.truncation_reward)
+
+
+def resolve_generator(name: str) -> str:
+    """``vllm`` or ``transformers``; ``auto`` picks vllm where it is installed (a GPU machine with the GPU profile)."""
+    if name == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+    if name not in ("vllm", "transformers"):
+        raise ValueError(f"generator={name!r}; expected 'vllm', 'transformers' or 'auto'")
+    return name
 
 
 def _row(sample: SearchR1Sample, env: SearchR1Env) -> dict:
@@ -282,7 +299,6 @@ class SearchR1Trainer(GRPOTrainer):
 
     def _rollout_func(self, prompts: list[list[dict]], trainer) -> dict:
         """TRL's rollout hook: multi-turn rollouts for this process's prompts, plus what the rubric and logs need."""
-        self._sync_generator_weights()
         mode = "train" if self.model.training else "eval"
         params = SamplingParams(temperature=self.args.temperature, top_p=self.args.top_p,
                                 max_tokens=self.args.max_tokens_per_turn)
@@ -312,19 +328,33 @@ class SearchR1Trainer(GRPOTrainer):
         for key, value in self.env.metrics().items():
             metrics[key].append(value)
 
+    def _generate(self, prompts):
+        # Extends GRPOTrainer._generate (TRL 1.16): sync first, so TRL's own NCCL push finds the step loaded.
+        self._sync_generator_weights()
+        return super()._generate(prompts)
+
     # ---- weight sync -------------------------------------------------------------------------------------------
 
     def _sync_generator_weights(self) -> None:
-        """Push the policy to the vLLM server once per optimizer step (``reload`` path; TRL does ``nccl`` itself)."""
-        if self.args.generator != "vllm" or self.args.weight_sync != "reload":
+        """Push the policy to the vLLM server once per optimizer step, before the step's rollouts or a validation.
+
+        TRL 1.16 pushes over NCCL only before training rollouts (in ``GRPOTrainer._generate``), so a validation
+        right after step N would sample from step N-1's weights; both paths go through here instead, timed as
+        ``weight_sync/time_s``, and TRL's own check then sees the step as already loaded.
+        """
+        if self.args.generator != "vllm" or self._synced_step == self.state.global_step:
             return
-        if self._synced_step == self.state.global_step:
-            return
-        if self.state.global_step > 0 or self._synced_step >= 0:
+        nccl = self.args.weight_sync == "nccl"
+        if nccl or self.state.global_step > 0 or self._synced_step >= 0:  # the server starts with step 0's weights
             start = time.perf_counter()
-            self.push_weights_to_generator()
+            if nccl:
+                self.vllm_generation.sync_weights()
+            else:
+                self.push_weights_to_generator()
             self._metrics["train"]["weight_sync/time_s"].append(time.perf_counter() - start)
         self._synced_step = self.state.global_step
+        if nccl:
+            self._last_loaded_step = self.state.global_step
 
     def push_weights_to_generator(self) -> None:
         """Save the full (merged, gathered) policy as safetensors and have the server reload it in place."""
@@ -414,7 +444,8 @@ class SearchR1Trainer(GRPOTrainer):
             f"- recipe: `{getattr(args, 'recipe', None) or 'custom'}`",
             f"- training questions: `{args.train_data_path or args.train_repo_id + '/' + args.train_filename}`"
             f" (data_source: {args.train_data_source or 'all'})",
-            f"- validation: first {args.eval_num_samples} rows of "
+            f"- validation: {'first' if args.eval_sample_seed is None else f'seed-{args.eval_sample_seed} sample of'} "
+            f"{args.eval_num_samples} rows of "
             f"`{args.eval_data_path or args.train_repo_id + '/' + args.eval_filename}`"
             f" (data_source: {args.eval_data_source or 'all'}), greedy",
             f"- retriever: `{args.search_url}`, top-{args.topk} passages",

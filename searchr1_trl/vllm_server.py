@@ -48,6 +48,7 @@ class VLLMServerConfig:
     cpu_kv_cache_gib: int = field(default=2, metadata={"help": "VLLM_CPU_KVCACHE_SPACE on CPU builds (GiB)."})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "How long to wait for /health."})
     log_file: str | None = field(default=None, metadata={"help": "Where the server's output goes (default: inherit)."})
+    env: dict[str, str] = field(default_factory=dict, metadata={"help": "Extra environment, e.g. CUDA_VISIBLE_DEVICES."})
 
     @property
     def base_url(self) -> str:
@@ -87,7 +88,7 @@ class VLLMServer:
         return self.config.base_url
 
     def start(self) -> "VLLMServer":
-        env = os.environ.copy()
+        env = {**os.environ, **self.config.env}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gib))
         env.setdefault("HF_HUB_OFFLINE", "1" if Path(self.config.model).exists() else env.get("HF_HUB_OFFLINE", "0"))
         self._log = open(self.config.log_file, "ab") if self.config.log_file else None

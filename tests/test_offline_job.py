@@ -1,0 +1,47 @@
+"""The GPU plans of scripts/offline_job.py, checked on CPU through --dry_run (the commands it would launch)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def plan(*flags: str) -> dict:
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--dry_run", *flags],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout)
+
+
+def test_two_gpu_plan_puts_generator_trainer_and_retriever_on_their_gpus_and_syncs_over_nccl(offline_assets):
+    commands = plan("--config", "offline_gpu", "--corpus", "full", "--generator", "vllm", "--weight_sync", "nccl",
+                    "--generator_gpu", "0", "--trainer_gpu", "1", "--retriever_gpu", "1", "--launcher", "accelerate")
+    generator, trainer, retriever = commands["generator"], commands["trainer"], commands["retriever"]
+    assert generator["env"] == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert generator["command"][2:4] == ["trl.cli.main", "vllm-serve"]
+    assert generator["command"][generator["command"].index("--gpu_memory_utilization") + 1] == "0.3"
+    assert trainer["env"] == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert trainer["command"][1:3] == ["-m", "accelerate.commands.launch"]
+    assert trainer["command"][trainer["command"].index("--config_file") + 1].endswith("single_gpu.yaml")
+    args = trainer["command"][trainer["command"].index(str(ROOT / "scripts" / "train.py")) + 1:]
+    assert args[args.index("--generator") + 1] == "vllm" and args[args.index("--weight_sync") + 1] == "nccl"
+    assert args[args.index("--vllm_server_base_url") + 1] == "http://127.0.0.1:8001"
+    assert retriever["env"] == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert retriever["command"][-3:] == ["--faiss_gpu", "--gpu_backend", "torch"]
+
+
+def test_one_gpu_plan_pushes_weights_through_a_tmpfs_folder_and_passes_extra_flags_to_the_trainer(offline_assets):
+    commands = plan("--config", "offline", "--generator_gpu", "0", "--trainer_gpu", "0", "--max_steps", "7")
+    args = commands["trainer"]["command"]
+    assert args[0] == sys.executable and args[1].endswith("train.py")
+    assert args[args.index("--weight_sync_dir") + 1].startswith("/dev/shm/")
+    assert args[-2:] == ["--max_steps", "7"]  # after the job's own flags, so the user's value wins
+    assert commands["retriever"]["env"] == {} and "--faiss_gpu" not in commands["retriever"]["command"]
+
+
+def test_a_recipe_without_vllm_starts_no_generator_server(offline_assets):
+    commands = plan("--config", "offline_gpu", "--generator", "transformers")
+    assert commands["generator"] is None
+    args = commands["trainer"]["command"]
+    assert args[args.index("--generator") + 1] == "transformers"
