@@ -39,7 +39,7 @@ import yaml
 
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import prepare
-from searchr1_trl.trainer import resolve_generator
+from searchr1_trl.recipe import resolve_generator
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
 ROOT = Path(__file__).resolve().parent.parent

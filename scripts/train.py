@@ -8,38 +8,21 @@ server (`searchr1-retriever`) must be running: each recipe's header gives the co
 """
 
 import logging
-import os
 import sys
-from pathlib import Path
 
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import get_peft_config
 
 from searchr1_trl.plan import PlanError, validate_plan
-from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-
-
-def resolve_recipe(argv: list[str]) -> list[str]:
-    """Turn `--config qwen3_8b` / `--config qwen3_8b.yaml` into the recipe's path in configs/."""
-    argv = list(argv)
-    if "--config" in argv:
-        i = argv.index("--config") + 1
-        name = argv[i]
-        if not Path(name).exists():
-            candidate = CONFIGS / (name if name.endswith(".yaml") else f"{name}.yaml")
-            if not candidate.exists():
-                known = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
-                sys.exit(f"error: recipe {name!r} is neither a file nor one of configs/: {known}")
-            argv[i] = str(candidate)
-    return argv
+from searchr1_trl.recipe import load_recipe
+from searchr1_trl.trainer import SearchR1Trainer
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = TrlParser((SearchR1Config, ModelConfig))
-    args, model_args = parser.parse_args_and_config(args=resolve_recipe(sys.argv[1:] if argv is None else argv))
+    try:
+        args, model_args = load_recipe(argv)
+    except ValueError as error:  # an unknown recipe or a field the trainer owns: one line, not a traceback
+        sys.exit(f"error: {error}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model_args.model_name_or_path = os.path.expanduser(model_args.model_name_or_path)
     try:
         validate_plan(args, model_args)
     except PlanError as error:

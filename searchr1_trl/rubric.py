@@ -176,6 +176,15 @@ class RewardExactMatch:
 RewardFn = Callable[..., list[float]]
 
 
+@dataclass
+class RubricConfig:
+    """Knobs of :class:`Rubric` itself (each reward function has its own)."""
+
+    truncation_reward: float = field(
+        default=0.0, metadata={"help": "Reward of a rollout a budget cut short (it has no final answer to score)."}
+    )
+
+
 class Rubric:
     """Weighted sum of reward functions; a truncated rollout gets ``truncation_reward`` instead.
 
@@ -186,7 +195,8 @@ class Rubric:
     ``GRPOTrainer(reward_funcs=[rubric])`` trains on exactly :meth:`score` while every part stays visible.
     """
 
-    def __init__(self, reward_fns: Sequence[RewardFn] | None = None, truncation_reward: float = 0.0):
+    def __init__(self, reward_fns: Sequence[RewardFn] | None = None,
+                 truncation_reward: float = RubricConfig.truncation_reward):
         self.reward_fns = list(reward_fns) if reward_fns is not None else [RewardExactMatch()]
         self.truncation_reward = truncation_reward
         self.__name__ = "rubric"

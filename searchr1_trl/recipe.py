@@ -1,0 +1,285 @@
+"""The Search-R1 recipe: one flat config a YAML file and the command line set, and the one function that wires it.
+
+:class:`SearchR1Config` is what ``TrlParser`` fills from a recipe (``configs/*.yaml``) plus ``--field value``
+overrides: TRL's ``GRPOConfig`` with the seed recipe's defaults (DAPO loss with asymmetric clipping 0.2 / 0.28, no
+KL and no reference model, group std-normalised advantages, AdamW at lr 1e-6 with 2 warmup steps then constant,
+8 prompts x 8 generations per optimizer step, temperature 1.0, top_p 1.0, 512 tokens per turn), plus one flat field
+per knob of the task's parts. A flat field is declared with :func:`knob`, which takes its default and help text from the part's own config
+(``search_timeout_s`` is :class:`~searchr1_trl.env.SearchR1EnvConfig`'s ``timeout_s``), so every default is written
+once, beside the code it configures, and :data:`KNOBS` says which part each flat field sets.
+:func:`build_task` is the only place that turns the flat config into parts (torchtitan's ``rollouter.py`` is the
+model): the question streams, the environment, the rollout budgets, the sampling of training turns, the rubric and
+the generator.
+
+Fields of ``GRPOConfig`` that :class:`~searchr1_trl.trainer.SearchR1Trainer` must set itself (:data:`TRAINER_OWNED`)
+are left unset by a recipe; a recipe that sets one to another value than the trainer needs is refused with an
+error naming the field to set instead, never silently overwritten.
+
+Offline asset paths are written ``${SEARCHR1_CACHE}/...`` in recipes; :func:`~searchr1_trl.assets.resolve_path`
+turns them into paths on this machine when the recipe is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import Field, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from trl import GRPOConfig, ModelConfig, TrlParser
+
+from searchr1_trl.assets import resolve_path
+from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
+from searchr1_trl.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.generation import (
+    Generator,
+    SamplingParams,
+    TransformersGenerator,
+    TransformersGeneratorConfig,
+    VLLMServerGenerator,
+    VLLMServerGeneratorConfig,
+)
+from searchr1_trl.rollout import RolloutConfig
+from searchr1_trl.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+# The parts a recipe configures, with the defaults the Search-R1 task gives them.
+PARTS: dict[str, Any] = {
+    "train_stream": SearchR1DatasetConfig(),  # train.parquet, shuffled with seed 42, a new order every epoch
+    # The NQ split of the test file, in file order, so every validation draws the same questions.
+    "eval_stream": SearchR1DatasetConfig(filename="test.parquet", data_source="nq", shuffle=False),
+    "env": SearchR1EnvConfig(),
+    "rollout": RolloutConfig(),
+    "sampling": SamplingParams(),
+    "exact_match": RewardExactMatchConfig(),
+    "rubric": RubricConfig(),
+    "vllm_generator": VLLMServerGeneratorConfig(),
+    "transformers_generator": TransformersGeneratorConfig(),
+}
+
+# Knobs of the parts that are no recipe field, because build_task derives them.
+WIRED: dict[str, dict[str, str]] = {
+    "train_stream": {"shuffle": "training always draws a fresh permutation per epoch"},
+    "eval_stream": {"seed": "eval_sample_seed", "shuffle": "eval_sample_seed is set"},
+    "sampling": {"temperature": "GRPOConfig's temperature", "top_p": "GRPOConfig's top_p"},
+}
+
+_KNOB_FIELDS: dict[Field, tuple[str, str]] = {}
+
+
+def knob(part: str, name: str) -> Any:
+    """A recipe field setting ``name`` of ``part`` (a key of :data:`PARTS`), with that knob's default and help."""
+    spec = {f.name: f for f in fields(PARTS[part])}[name]
+    flat = field(default=getattr(PARTS[part], name), metadata={"help": spec.metadata["help"]})
+    _KNOB_FIELDS[flat] = (part, name)
+    return flat
+
+
+def _owned(source: str) -> Any:
+    """A GRPOConfig field the trainer sets itself (see :data:`TRAINER_OWNED`); None means unset."""
+    return field(default=None, metadata={"help": f"Set by SearchR1Trainer ({source}); leave it unset."})
+
+
+@dataclass
+class SearchR1Config(GRPOConfig):
+    """GRPOConfig plus the Search-R1 task; every field can be set from the recipe YAML or the command line."""
+
+    # --- seed-recipe defaults for inherited GRPO fields ---
+    loss_type: str = field(default="dapo", metadata={"help": "GRPO loss; DAPO normalises over all tokens of the batch."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping bound of the policy ratio."})
+    epsilon_high: float = field(default=0.28, metadata={"help": "Upper clipping bound (DAPO's clip-higher)."})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient; 0 means no reference model is loaded."})
+    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate."})
+    lr_scheduler_type: str = field(default="constant_with_warmup", metadata={"help": "Warmup, then constant."})
+    warmup_steps: float = field(default=2, metadata={"help": "Optimizer steps of linear warmup."})
+    num_generations: int = field(default=8, metadata={"help": "Rollouts per question (the GRPO group)."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Rollouts per micro-batch per device."})
+    gradient_accumulation_steps: int = field(default=8, metadata={"help": "Micro-batches per optimizer step."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of training rollouts."})
+    save_steps: float = field(default=50, metadata={"help": "Checkpoint every this many optimizer steps."})
+    save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept on disk."})
+    logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
+
+    # --- inherited GRPO fields the trainer owns ---
+    use_vllm: bool | None = _owned("from generator and weight_sync")
+    vllm_mode: str | None = _owned("server")
+    max_completion_length: int | None = _owned("from max_rollout_tokens")
+    remove_unused_columns: bool | None = _owned("False: the rubric reads golden_answers from each row")
+    ignore_data_skip: bool | None = _owned("True: the question stream restores its own position")
+
+    # --- questions ---
+    train_data_path: str | None = knob("train_stream", "data_path")
+    train_repo_id: str = knob("train_stream", "repo_id")
+    train_filename: str = knob("train_stream", "filename")
+    train_data_source: str | None = knob("train_stream", "data_source")
+    data_seed: int = knob("train_stream", "seed")
+    eval_data_path: str | None = knob("eval_stream", "data_path")
+    eval_repo_id: str = knob("eval_stream", "repo_id")
+    eval_filename: str = knob("eval_stream", "filename")
+    eval_data_source: str | None = knob("eval_stream", "data_source")
+    eval_num_samples: int = field(default=500, metadata={"help": "Validation questions (see eval_sample_seed)."})
+    eval_sample_seed: int | None = field(
+        default=None,
+        metadata={"help": "None: the first eval_num_samples rows in file order (the seed's slice); a seed: a seeded "
+                          "random sample of the file (files sorted by article put one article first)."},
+    )
+
+    # --- search environment ---
+    search_url: str = knob("env", "search_url")
+    topk: int = knob("env", "topk")
+    search_timeout_s: float = knob("env", "timeout_s")
+    search_max_retries: int = knob("env", "max_retries")
+    search_retry_backoff_s: float = knob("env", "retry_backoff_s")
+    restate_question: bool = knob("env", "restate_question")
+
+    # --- rollout budgets ---
+    max_turns: int = knob("rollout", "max_turns")
+    max_rollout_tokens: int = knob("rollout", "max_rollout_tokens")
+    max_tokens_per_turn: int = knob("sampling", "max_tokens")
+    step_timeout_s: float = knob("rollout", "step_timeout_s")
+    enable_thinking: bool = knob("rollout", "enable_thinking")
+    bare_json_tool_calls: bool = knob("rollout", "bare_json_tool_calls")
+
+    # --- rubric ---
+    exact_match_score: float = knob("exact_match", "score")
+    no_search_penalty: float = knob("exact_match", "no_search_penalty")
+    retrieval_score: float = knob("exact_match", "retrieval_score")
+    answer_f1: float = knob("exact_match", "answer_f1")
+    exact_match_weight: float = knob("exact_match", "weight")
+    truncation_reward: float = knob("rubric", "truncation_reward")
+
+    # --- generator ---
+    generator: str = field(
+        default="vllm",
+        metadata={"help": "`vllm`: a `trl vllm-serve` server; `transformers`: the trained model, in-process; `auto`: "
+                          "vllm where the vllm package is installed, else transformers."},
+    )
+    weight_sync: str = field(
+        default="reload",
+        metadata={"help": "`reload`: save safetensors, server reloads them (no CUDA needed); `nccl`: TRL's NCCL path."},
+    )
+    weight_sync_dir: str | None = field(default=None, metadata={"help": "Folder for `reload` (shared with server)."})
+    generator_max_concurrency: int = knob("vllm_generator", "max_concurrency")
+    generator_timeout_s: float = knob("vllm_generator", "timeout_s")
+    generator_max_batch_size: int = knob("transformers_generator", "max_batch_size")
+
+    def __post_init__(self):
+        self.generator = resolve_generator(self.generator)
+        if self.weight_sync not in ("reload", "nccl"):
+            raise ValueError(f"weight_sync={self.weight_sync!r}; expected 'reload' or 'nccl'")
+        for name, (needed, instead) in TRAINER_OWNED.items():
+            value, wanted = getattr(self, name), needed(self)
+            if value is not None and value != wanted:
+                raise ValueError(f"{name}={value!r}: SearchR1Trainer sets {name} itself (to {wanted!r} here); "
+                                 f"remove it from the recipe{instead}")
+            setattr(self, name, wanted)
+        for name in ("train_data_path", "eval_data_path", "weight_sync_dir"):
+            if getattr(self, name):
+                setattr(self, name, resolve_path(getattr(self, name)))
+        super().__post_init__()
+        if self.accelerator_config.dispatch_batches:
+            raise ValueError("accelerator_config.dispatch_batches=True: the question stream is iterable and each "
+                             "process draws its own slice; remove it from the recipe")
+        self.accelerator_config.dispatch_batches = False
+
+    @property
+    def generator_url(self) -> str:
+        return self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}"
+
+
+def resolve_generator(name: str) -> str:
+    """``vllm`` or ``transformers``; ``auto`` picks vllm where it is installed (a GPU machine with the GPU profile)."""
+    if name == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+    if name not in ("vllm", "transformers"):
+        raise ValueError(f"generator={name!r}; expected 'vllm', 'transformers' or 'auto'")
+    return name
+
+
+# GRPOConfig field -> (the value SearchR1Trainer needs, what to set instead).
+TRAINER_OWNED: dict[str, tuple[Callable[[SearchR1Config], Any], str]] = {
+    # TRL's own vLLM client only does the NCCL weight transfer; rollouts go through our generator.
+    "use_vllm": (lambda c: c.generator == "vllm" and c.weight_sync == "nccl", "; set generator and weight_sync"),
+    "vllm_mode": (lambda c: "server", ""),
+    "max_completion_length": (lambda c: c.max_rollout_tokens, "; set max_rollout_tokens"),
+    "remove_unused_columns": (lambda c: False, ""),
+    "ignore_data_skip": (lambda c: True, ""),
+}
+
+# Recipe field -> (part, knob of that part); every field declared with knob().
+KNOBS: dict[str, tuple[str, str]] = {f.name: _KNOB_FIELDS[f] for f in fields(SearchR1Config) if f in _KNOB_FIELDS}
+
+
+def part_config(args: SearchR1Config, part: str) -> Any:
+    """The config of ``part`` as the recipe sets it: the task's defaults with every knob's recipe value."""
+    return replace(PARTS[part], **{name: getattr(args, flat) for flat, (p, name) in KNOBS.items() if p == part})
+
+
+@dataclass
+class SearchR1Task:
+    """Everything the trainer plugs into GRPOTrainer, built from one recipe by :func:`build_task`."""
+
+    train_stream: SearchR1Dataset
+    eval_samples: list[SearchR1Sample]  # [] when the recipe never validates
+    env: SearchR1Env
+    rollout: RolloutConfig
+    sampling: SamplingParams  # of training turns; validation is greedy with the same max_tokens
+    rubric: Rubric
+    generator: Callable[[Any, Any], Generator]  # (model, tokenizer) -> generator: TRL loads the model first
+
+
+def build_task(args: SearchR1Config) -> SearchR1Task:
+    """The question streams, environment, rollout budgets, sampling, rubric and generator of a recipe."""
+    validates = args.eval_strategy != "no" or args.eval_on_start
+    eval_stream = part_config(args, "eval_stream")
+    if args.eval_sample_seed is not None:
+        eval_stream = replace(eval_stream, shuffle=True, seed=args.eval_sample_seed)
+    rubric = Rubric([RewardExactMatch(part_config(args, "exact_match"))], **asdict(part_config(args, "rubric")))
+    if args.generator == "vllm":
+        vllm = part_config(args, "vllm_generator")
+
+        def generator(model, tokenizer) -> Generator:
+            return VLLMServerGenerator(args.generator_url, **asdict(vllm))
+    else:
+        in_process = part_config(args, "transformers_generator")
+
+        def generator(model, tokenizer) -> Generator:
+            return TransformersGenerator(model, tokenizer, **asdict(in_process))
+
+    return SearchR1Task(
+        train_stream=SearchR1Dataset(part_config(args, "train_stream")),
+        eval_samples=SearchR1Dataset(eval_stream).take(args.eval_num_samples) if validates else [],
+        env=SearchR1Env(part_config(args, "env")),
+        rollout=part_config(args, "rollout"),
+        sampling=replace(part_config(args, "sampling"), temperature=args.temperature, top_p=args.top_p),
+        rubric=rubric,
+        generator=generator,
+    )
+
+
+def recipe_path(name: str) -> Path:
+    """A recipe file: ``name`` itself when it is a file, else ``configs/<name>[.yaml]``; ValueError naming the
+    known recipes otherwise."""
+    if Path(name).is_file():
+        return Path(name)
+    candidate = CONFIGS / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if not candidate.is_file():
+        known = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
+        raise ValueError(f"recipe {name!r} is neither a file nor one of configs/: {known}")
+    return candidate
+
+
+def load_recipe(argv: list[str] | None = None) -> tuple[SearchR1Config, ModelConfig]:
+    """``(args, model_args)`` from ``--config <recipe> [--field value ...]`` (``sys.argv`` when None), every asset
+    path resolved for this machine."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" in argv:
+        i = argv.index("--config") + 1
+        argv[i] = str(recipe_path(argv[i]))
+    args, model_args = TrlParser((SearchR1Config, ModelConfig)).parse_args_and_config(args=argv)
+    if model_args.model_name_or_path:
+        model_args.model_name_or_path = resolve_path(model_args.model_name_or_path)
+    return args, model_args

