@@ -11,7 +11,7 @@ OpenAI API, e.g. ``trl vllm-serve``) and a running retrieval server:
 
     searchr1-retriever --index_path <index.faiss> --corpus_path <corpus.jsonl> --retriever_model <embedder> &
     trl vllm-serve --model <policy> --port 8001 --enforce_eager --dtype float32 &   # CPU: float32 is faster
-    python benchmarks/answer_formats.py --model <policy> --corpus_path <corpus.jsonl> \\
+    python -m benchmarks.answer_formats --model <policy> --corpus_path <corpus.jsonl> \\
         --questions ~/.cache/searchr1_trl/data/squad_open/train.parquet --out docs/results/answer_formats.jsonl
 """
 
@@ -31,7 +31,7 @@ from searchr1_trl.generation import SamplingParams, VLLMServerGenerator
 from searchr1_trl.rollout import RolloutConfig, RolloutEngine
 from searchr1_trl.rubric import RewardExactMatch
 
-from report import report  # a sibling module: benchmarks/ is on sys.path when a benchmark runs
+from benchmarks.report import report
 
 
 def questions_in_corpus(path: str, corpus_path: str, n: int) -> list[SearchR1Sample]:

@@ -1,8 +1,8 @@
 """Policy-update throughput, memory and MFU of SearchR1Trainer on random-weight stand-ins of the recipe models,
 plus in-process generation throughput. Prints one JSON line per measurement (and appends them to --out).
 
-    python benchmarks/policy_update.py --model Qwen/Qwen3-1.7B --batch 8 --seq 2048
-    python benchmarks/policy_update.py --model Qwen/Qwen3-8B --batch 4 --seq 2048 --activation_checkpointing
+    python -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --batch 8 --seq 2048
+    python -m benchmarks.policy_update --model Qwen/Qwen3-8B --batch 4 --seq 2048 --activation_checkpointing
 
 MFU = 6 x parameters x trained tokens/s (the dense-matmul cost of forward + backward; attention scores excluded)
 divided by the bf16 matrix rate measured on this GPU at the start (8192^3 products).
@@ -23,8 +23,8 @@ from searchr1_trl.assets import require
 from searchr1_trl.generation import SamplingParams, TransformersGenerator
 from searchr1_trl.shapes import random_model
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
-from report import report  # sibling modules: benchmarks/ is on sys.path when a benchmark runs
-from zero3_update import synthetic_rollouts
+from benchmarks.report import report
+from benchmarks.zero3_update import synthetic_rollouts
 
 
 def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:

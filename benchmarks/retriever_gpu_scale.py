@@ -2,7 +2,7 @@
 ``--faiss_gpu --gpu_backend torch`` loads): 21M x 768 random normalised fp16 vectors, batches of 1 to 512 queries.
 Prints latency, queries/s and the memory-bandwidth floor (index bytes / measured device copy bandwidth) as JSON lines.
 
-    python benchmarks/retriever_gpu_scale.py --num_vectors 21000000 --dim 768 --out docs/results/retriever_gpu_scale.jsonl
+    python -m benchmarks.retriever_gpu_scale --num_vectors 21000000 --dim 768 --out docs/results/retriever_gpu_scale.jsonl
 """
 
 import argparse
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from retriever_server.index import TorchFlatIndex
-from report import report  # a sibling module: benchmarks/ is on sys.path when a benchmark runs
+from benchmarks.report import report
 
 
 def copy_bandwidth_gbs(device, gib: int = 8) -> float:

@@ -7,7 +7,7 @@ SQuAD-open corpus, or its first ``--max_passages`` passages: embedding all 30,99
 The corpus prefix and its index are cached under ``~/.cache/searchr1_trl/index/squad_open-<passages>/``. Queries are
 SQuAD dev questions, cycled.
 
-    python benchmarks/retriever_load.py --clients 64 --duration_s 20 --max_passages 4096
+    python -m benchmarks.retriever_load --clients 64 --duration_s 20 --max_passages 4096
 
 The load generator shares the machine with the server, so on a small CPU the absolute numbers are lower bounds.
 """

@@ -14,7 +14,7 @@ every rollout is one turn; ``--bare_json_tool_calls`` makes (a)/(b) search and g
 conversations and is not comparable). The script starts its own retrieval server
 (over the passages of the questions' articles) and vLLM server; their start-up and model loading are not timed.
 
-    python benchmarks/rollout_throughput.py --num_questions 16
+    python -m benchmarks.rollout_throughput --num_questions 16
 
 On CPU, (c) skips the NCCL weight-transfer handshake GRPOTrainer performs in server mode (it needs CUDA, and no
 weights change while generating); nothing else in TRL's generation path is altered.

@@ -2,12 +2,12 @@
 logging), with the rollouts replaced by one fixed synthetic batch so the update is measured alone: per-GPU peak
 memory, step time and tokens/s of a random-weight stand-in of a recipe model, and the loss of each step.
 
-    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 benchmarks/zero3_update.py \\
+    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 -m benchmarks.zero3_update \\
         --model Qwen/Qwen3-8B --per_device_batch 4 --seq 2048 --steps 3 --activation_checkpointing
     # loss check: the same small model and global batch under ZeRO-3 on 2 GPUs and without DeepSpeed on 1 GPU
-    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 benchmarks/zero3_update.py \\
+    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 -m benchmarks.zero3_update \\
         --model Qwen/Qwen3-1.7B --num_hidden_layers 4 --per_device_batch 2 --steps 1
-    accelerate launch --config_file accelerate_configs/single_gpu.yaml benchmarks/zero3_update.py \\
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml -m benchmarks.zero3_update \\
         --model Qwen/Qwen3-1.7B --num_hidden_layers 4 --per_device_batch 4 --steps 1
 
 The global batch (``per_device_batch`` x processes rows, the same rows whatever the split) and the weights are
@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 from searchr1_trl.assets import require
 from searchr1_trl.shapes import random_model
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
-from report import report  # a sibling module: benchmarks/ is on sys.path when a benchmark runs
+from benchmarks.report import report
 
 
 def synthetic_rollouts(rows: int, seq: int, prompt: int, vocab: int, seed: int) -> dict:

@@ -16,8 +16,6 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from searchr1_trl.assets import OfflineAssets, cache_dir
-
 POOLINGS = ("mean", "cls")
 
 
@@ -25,10 +23,9 @@ POOLINGS = ("mean", "cls")
 class EncoderConfig:
     """The embedding model and how its outputs become vectors; stored beside the index so the server can check it."""
 
-    retriever_model: str | None = field(
-        default=None,
-        metadata={"help": "Folder or Hub name of the embedding model (e.g. intfloat/e5-base-v2); "
-                          "default: the offline all-MiniLM-L6-v2 prepared by `searchr1-assets`."},
+    retriever_model: str = field(
+        metadata={"help": "Folder or Hub name of the embedding model (e.g. intfloat/e5-base-v2; the offline "
+                          "all-MiniLM-L6-v2 is the `embedder` path `searchr1-assets` prints)."},
     )
     retriever_name: str | None = field(
         default=None,
@@ -46,8 +43,6 @@ class EncoderConfig:
     device: str | None = field(default=None, metadata={"help": "torch device; default cuda if available, else cpu."})
 
     def __post_init__(self) -> None:
-        if self.retriever_model is None:
-            self.retriever_model = OfflineAssets.under(cache_dir()).embedder
         family = (self.retriever_name or Path(self.retriever_model.rstrip("/")).name).lower()
         is_e5 = "e5" in family
         if self.pooling is None:

@@ -1,0 +1,42 @@
+"""searchr1-trl: train LLMs to answer questions by calling a ``search`` tool (Search-R1) with TRL.
+
+The names a user needs, importable from the package itself::
+
+    from searchr1_trl import SearchR1Config, SearchR1Trainer, load_recipe
+
+    args, model_args = load_recipe(["--config", "offline"])
+    SearchR1Trainer(model=model_args.model_name_or_path, args=args).train()
+
+Each name is imported from its module on first use, so ``import searchr1_trl.assets`` (the asset command) or
+``searchr1_trl.parsing`` does not pay for importing TRL and torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# name -> the module defining it; the data flow, top to bottom (README "Where things are").
+_EXPORTS = {
+    "SearchR1Dataset": "data", "SearchR1DatasetConfig": "data", "SearchR1Sample": "data",
+    "SearchR1Env": "env", "SearchR1EnvConfig": "env",
+    "EnvStep": "rollout", "MessageEnv": "rollout", "Rollout": "rollout", "RolloutConfig": "rollout",
+    "RolloutEngine": "rollout", "RolloutStatus": "rollout",
+    "response_parser": "parsing",
+    "Generation": "generation", "Generator": "generation", "SamplingParams": "generation",
+    "TransformersGenerator": "generation", "VLLMServerGenerator": "generation",
+    "RewardExactMatch": "rubric", "RewardExactMatchConfig": "rubric", "Rubric": "rubric", "RubricConfig": "rubric",
+    "SearchR1Config": "recipe", "SearchR1Task": "recipe", "build_task": "recipe", "load_recipe": "recipe",
+    "SearchR1Trainer": "trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'searchr1_trl' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"searchr1_trl.{_EXPORTS[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -6,6 +6,9 @@ Read from the source (every ``import``, also inside functions), so a lazy import
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,18 +24,23 @@ LAYERS = [
 SAME_LAYER: set[tuple[str, str]] = set()
 
 
+def imported(path: Path) -> set[str]:
+    """Every module name ``path`` imports (``from a.b import c`` gives ``a.b`` and ``a.b.c``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
 def imports(package: str) -> dict[str, set[str]]:
     """``{module: modules of the same package it imports}`` for every module of ``package``."""
     graph = {}
     for path in sorted((ROOT / package).glob("*.py")):
-        module = path.stem
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            targets |= {n.split(".")[1] for n in names if n.startswith(f"{package}.")}
-        graph[module] = targets - {module}
+        targets = {n.split(".")[1] for n in imported(path) if n.startswith(f"{package}.")}
+        graph[path.stem] = targets - {path.stem}
     return graph
 
 
@@ -64,3 +72,24 @@ def test_there_are_no_import_cycles():
             return any(t == goal or (t not in seen and reaches(t, goal, seen | {t})) for t in graph.get(start, ()))
 
         assert [m for m in graph if reaches(m, m, {m})] == [], package
+
+
+def test_the_retrieval_server_does_not_import_the_trainer_package():
+    # It is deployed on its own (often on other machines), with its own dependencies.
+    sources = sorted((ROOT / "retriever_server").glob("*.py"))
+    assert [p.name for p in sources if any(n.split(".")[0] == "searchr1_trl" for n in imported(p))] == []
+
+
+def test_the_front_door_exports_every_public_name_from_its_module():
+    import searchr1_trl
+
+    for name in searchr1_trl.__all__:
+        module = importlib.import_module(f"searchr1_trl.{searchr1_trl._EXPORTS[name]}")
+        assert getattr(searchr1_trl, name) is getattr(module, name)
+
+
+def test_importing_a_light_module_does_not_import_trl():
+    # The asset command and the parser stay quick to import: the front door imports lazily.
+    code = "import sys, searchr1_trl.assets, searchr1_trl.parsing; print('trl' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"
