@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from retriever_server.launch import RetrieverProcess
+from retriever_server.metrics import parse_prometheus
 from searchr1_trl.assets import cache_dir, require
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ class LoadResult:
     errors: int
     elapsed_s: float
     latencies_ms: np.ndarray
-    server: dict  # the server's /metrics at the end, warm-up included
+    server: dict[str, float]  # the server's /metrics samples at the end, warm-up included
 
     @property
     def qps(self) -> float:
@@ -133,7 +134,7 @@ def bench(mode: str, index: Path, corpus: Path, questions: list[str], threads: l
     with RetrieverProcess(index_path=str(index), corpus_path=str(corpus), retriever_model=args.retriever_model,
                           port=port, log_file=str(index.parent / f"server-{mode}.log"), extra_args=tuple(flags)):
         latencies, errors = asyncio.run(run_load(port, questions, args))
-        server = httpx.get(f"http://127.0.0.1:{port}/metrics").json()
+        server = parse_prometheus(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
     return LoadResult(mode, len(latencies), errors, args.duration_s, np.asarray(latencies), server)
 
 
@@ -170,9 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'batching':>8} {'requests':>9} {'errors':>6} {'QPS':>8} {'p50 ms':>8} {'p99 ms':>8} {'server p50':>10} "
           f"{'queries/batch':>13}")
     for r in results.values():
+        server_p50_ms = r.server['latency_seconds_recent{quantile="0.5"}'] * 1000
+        batch_mean = r.server['batch_queries_recent{stat="mean"}']
         print(f"{r.mode:>8} {r.requests:>9} {r.errors:>6} {r.qps:>8.1f} {r.percentile(50):>8.1f} "
-              f"{r.percentile(99):>8.1f} {r.server['latency_ms_recent']['p50']:>10.1f} "
-              f"{r.server['batch_queries_recent']['mean']:>13.1f}")
+              f"{r.percentile(99):>8.1f} {server_p50_ms:>10.1f} {batch_mean:>13.1f}")
     if {"on", "off"} <= results.keys():
         on, off = results["on"], results["off"]
         print(f"batching on/off: QPS x{on.qps / off.qps:.2f}, "

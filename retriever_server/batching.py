@@ -1,21 +1,35 @@
 """Cross-request micro-batching: queries of concurrent requests share one encode and one faiss search.
 
 Hundreds of rollouts each ask for one query at a time; encoding them one by one wastes the encoder, whose cost per
-batch is nearly flat up to a few hundred short queries. Requests wait in a queue; one worker takes whole requests
-from it until a batch holds ``max_batch_size`` queries or the oldest request has waited ``max_wait_ms``, runs the
-batch in a single background thread and hands each request its own slice of the results. Under load the queue
-refills while a batch runs, so later batches form without waiting at all.
+batch is nearly flat up to a few hundred short queries. Requests wait in a queue; one worker fills a batch with
+their queries until it holds ``max_batch_size`` queries (or ``max_batch_chars`` characters) or the oldest request has
+waited ``max_wait_ms``, runs the batch in a single background thread and hands each request its own slice of the
+results. Under load the queue refills while a batch runs, so later batches form without waiting at all.
+
+Three rules keep one request from costing the others (issue 13, F3 and F5):
+
+- **A big request is served in slices, between newcomers.** Requests that have had nothing yet fill a batch; a
+  partly served request continues in a batch of its own, every other batch while newcomers keep coming. A request
+  of 1,024 long queries so runs as many small batches with the short requests arriving meanwhile in between,
+  instead of one batch of minutes that they all wait behind.
+  ``max_batch_chars`` bounds a batch's encoder work (the encoder truncates a query at ``max_length`` tokens, so at
+  most :data:`CHARS_PER_QUERY_CAP` characters of one query count).
+- **A failing batch is retried request by request, then query by query.** A batch that raises is not everyone's
+  failure: each of its requests runs alone; one that still fails is searched query by query, and fails alone with
+  :class:`BadQuery` naming its first query that cannot be searched (HTTP 422). The other requests get their results.
+- **A request whose client left is dropped.** Cancelling ``submit`` (the server does when the connection closes)
+  drops the request's queries that have not run yet and frees their room in the queue.
 
 Memory stays bounded: a request that would take the number of queued and running queries over
 ``max_queued_queries`` is refused at once (``QueueFull``, HTTP 503) instead of queued. With ``batching`` off each
-request is its own batch, through the same queue and thread, which is the baseline the benchmark compares against.
+batch holds queries of one request only, through the same queue and thread, which is the baseline the benchmark
+compares against.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,12 +41,22 @@ logger = logging.getLogger(__name__)
 
 SearchFn = Callable[[list[str], list[int]], list[Hits]]
 
+# The encoder keeps at most 256 tokens of a query (EncoderConfig.max_length), about 1 KB of English: characters
+# beyond that cost it nothing, so they do not count against max_batch_chars.
+CHARS_PER_QUERY_CAP = 1024
+
 
 @dataclass
 class BatcherConfig:
     batching: bool = field(default=True, metadata={"help": "Merge concurrent requests into shared batches."})
     max_batch_size: int = field(
-        default=256, metadata={"help": "Most queries in one batch (a bigger request runs alone)."}
+        default=256, metadata={"help": "Most queries in one batch (a bigger request is served in slices)."}
+    )
+    max_batch_chars: int = field(
+        default=4096,
+        metadata={"help": "Most query characters in one batch (each query counts at most 1,024): bounds how long one "
+                          "batch, and so a request queued behind it, takes when queries are long. 4,096 is about the "
+                          "encoder work of 64 rollouts' questions; on a GPU encoder raise it for throughput."},
     )
     max_wait_ms: float = field(default=2.0, metadata={"help": "Longest a request waits for others to join its batch."})
     max_queued_queries: int = field(
@@ -40,15 +64,23 @@ class BatcherConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.max_batch_size <= 0 or self.max_queued_queries <= 0 or self.max_wait_ms < 0:
+        if min(self.max_batch_size, self.max_batch_chars, self.max_queued_queries) <= 0 or self.max_wait_ms < 0:
             raise ValueError(
-                "max_batch_size and max_queued_queries must be positive and max_wait_ms >= 0, got "
-                f"{self.max_batch_size}, {self.max_queued_queries}, {self.max_wait_ms}"
+                "max_batch_size, max_batch_chars and max_queued_queries must be positive and max_wait_ms >= 0, got "
+                f"{self.max_batch_size}, {self.max_batch_chars}, {self.max_queued_queries}, {self.max_wait_ms}"
             )
 
 
 class QueueFull(RuntimeError):
     """The server holds as many queries as it may; the client should retry later."""
+
+
+class BadQuery(ValueError):
+    """A query that fails the search on its own (the request's other queries and other requests are unaffected)."""
+
+    def __init__(self, index: int, error: BaseException):
+        super().__init__(f"queries[{index}]: cannot be searched ({type(error).__name__}: {str(error)[:200]})")
+        self.index = index
 
 
 @dataclass
@@ -57,18 +89,41 @@ class _Request:
     topk: int
     future: asyncio.Future
     enqueued_at: float
+    hits: list[Hits | None] = field(default_factory=list)
+    taken: int = 0  # queries handed to batches so far
+
+    @property
+    def untaken(self) -> int:
+        return len(self.queries) - self.taken
+
+
+@dataclass
+class _Slice:
+    """Queries ``start:end`` of one request, as they sit in a batch."""
+
+    request: _Request
+    start: int
+    end: int
+
+    @property
+    def queries(self) -> list[str]:
+        return self.request.queries[self.start:self.end]
+
+
+def _cost(query: str) -> int:
+    return min(len(query), CHARS_PER_QUERY_CAP)
 
 
 class MicroBatcher:
     def __init__(self, search: SearchFn, config: BatcherConfig, metrics: Metrics):
         self.search, self.config, self.metrics = search, config, metrics
-        self._pending: deque[_Request] = deque()
-        self._pending_queries = 0  # in the queue
-        self._held_queries = 0  # in the queue or in the running batch
+        self._pending: list[_Request] = []  # requests with queries not yet handed to a batch, oldest first
+        self._held_queries = 0  # queries queued or running
         self._arrived = asyncio.Event()
         # One thread: the encoder and faiss already use every core, so two batches at once would only contend.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieve")
         self._worker: asyncio.Task | None = None
+        self._last_batch_fresh = False
 
     async def start(self) -> None:
         self._worker = asyncio.create_task(self._run())
@@ -79,16 +134,15 @@ class MicroBatcher:
         self._executor.shutdown(wait=True)
 
     async def submit(self, queries: list[str], topk: int) -> list[Hits]:
-        """Results for ``queries``, computed in whichever batch they land in."""
+        """Results for ``queries``, computed in whichever batches they land in; cancel it to drop the request."""
         if self._held_queries + len(queries) > self.config.max_queued_queries:
             raise QueueFull(
                 f"{self._held_queries} queries queued or running; {len(queries)} more would exceed "
                 f"max_queued_queries={self.config.max_queued_queries}"
             )
         loop = asyncio.get_running_loop()
-        request = _Request(queries, topk, loop.create_future(), loop.time())
+        request = _Request(queries, topk, loop.create_future(), loop.time(), hits=[None] * len(queries))
         self._held_queries += len(queries)
-        self._pending_queries += len(queries)
         self._pending.append(request)
         self._arrived.set()
         return await request.future
@@ -98,15 +152,25 @@ class MicroBatcher:
         while True:
             await self._arrived.wait()
             self._arrived.clear()
-            while self._pending:
+            while self._drop_finished():
                 batch = await self._next_batch(loop)
-                await self._execute(batch, loop)
+                if batch:
+                    await self._execute(batch, loop)
 
-    async def _next_batch(self, loop: asyncio.AbstractEventLoop) -> list[_Request]:
-        """Whole requests, oldest first, up to ``max_batch_size`` queries (always at least one request)."""
+    def _drop_finished(self) -> bool:
+        """Forget requests whose client left (their future is cancelled) or that failed; True if any remain."""
+        for request in [r for r in self._pending if r.future.done()]:
+            self._pending.remove(request)
+            self._held_queries -= request.untaken
+            self.metrics.dropped_queries += request.untaken
+        return bool(self._pending)
+
+    async def _next_batch(self, loop: asyncio.AbstractEventLoop) -> list[_Slice]:
+        """Slices of pending requests, newcomers first, up to ``max_batch_size`` queries and ``max_batch_chars``
+        characters (always at least one query)."""
         if self.config.batching:
             deadline = self._pending[0].enqueued_at + self.config.max_wait_ms / 1000
-            while self._pending_queries < self.config.max_batch_size:
+            while sum(r.untaken for r in self._pending) < self.config.max_batch_size:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
@@ -115,32 +179,83 @@ class MicroBatcher:
                     await asyncio.wait_for(self._arrived.wait(), remaining)
                 except TimeoutError:
                     break
-        batch = [self._pending.popleft()]
-        size = len(batch[0].queries)
-        while (self.config.batching and self._pending
-               and size + len(self._pending[0].queries) <= self.config.max_batch_size):
-            batch.append(self._pending.popleft())
-            size += len(batch[-1].queries)
-        self._pending_queries -= size
+            if not self._drop_finished():
+                return []
+        fresh = [r for r in self._pending if not r.taken]
+        partial = [r for r in self._pending if r.taken]
+        # Newcomers first, but a partly served request gets every other batch, so it is never starved.
+        use_partial = bool(partial) and (not fresh or self._last_batch_fresh)
+        candidates = partial[:1] if use_partial else fresh if self.config.batching else fresh[:1]
+        batch: list[_Slice] = []
+        size = chars = 0
+        for request in candidates:
+            end = request.taken
+            while end < len(request.queries) and size < self.config.max_batch_size:
+                cost = _cost(request.queries[end])
+                if size and chars + cost > self.config.max_batch_chars:
+                    break
+                size, chars, end = size + 1, chars + cost, end + 1
+            if end == request.taken:  # the batch is full
+                break
+            batch.append(_Slice(request, request.taken, end))
+            request.taken = end
+        # A batch that started a request it could not finish served a big request: newcomers go next.
+        self._last_batch_fresh = not use_partial and not batch[-1].request.untaken
+        self._pending = [r for r in self._pending if r.untaken]
         return batch
 
-    async def _execute(self, batch: list[_Request], loop: asyncio.AbstractEventLoop) -> None:
-        queries = [q for r in batch for q in r.queries]
-        topks = [r.topk for r in batch for _ in r.queries]
+    async def _execute(self, batch: list[_Slice], loop: asyncio.AbstractEventLoop) -> None:
+        queries = [q for s in batch for q in s.queries]
         try:
-            hits = await loop.run_in_executor(self._executor, self.search, queries, topks)
-        except Exception as exc:  # every waiting request gets the error, and the worker must survive it
+            hits = await self._search(queries, [s.request.topk for s in batch for _ in s.queries], loop)
+        except Exception:  # noqa: BLE001 - one bad query must not fail its batch: find it, fail only its request
             self.metrics.batch_errors += 1
-            logger.exception("batch of %d queries failed", len(queries))
-            for r in batch:
-                if not r.future.done():
-                    r.future.set_exception(exc)
+            logger.warning("batch of %d queries from %d requests failed; retrying request by request", len(queries),
+                           len(batch), exc_info=True)
+            for part in batch:
+                await self._execute_alone(part, loop)
         else:
-            self.metrics.record_batch(len(queries), len(batch))
+            self.metrics.record_batch(len(queries), len({id(s.request) for s in batch}))
             start = 0
-            for r in batch:
-                if not r.future.done():  # a client that hung up has had its future cancelled
-                    r.future.set_result(hits[start:start + len(r.queries)])
-                start += len(r.queries)
+            for part in batch:
+                self._deliver(part, hits[start:start + len(part.queries)])
+                start += len(part.queries)
         finally:
             self._held_queries -= len(queries)
+
+    async def _execute_alone(self, part: _Slice, loop: asyncio.AbstractEventLoop) -> None:
+        """Search one slice alone, and on failure query by query; the first query that fails alone fails its
+        request with :class:`BadQuery`."""
+        if part.request.future.done():
+            return
+        topks = [part.request.topk] * len(part.queries)
+        try:
+            self._deliver(part, await self._search(part.queries, topks, loop))
+            return
+        except Exception as error:  # noqa: BLE001 - narrowed down below
+            first_error = error
+        for offset, query in enumerate(part.queries):
+            try:
+                [one] = await self._search([query], [part.request.topk], loop)
+            except Exception as error:  # noqa: BLE001 - this query is the culprit
+                self._fail(part.request, BadQuery(part.start + offset, error))
+                return
+            self._deliver(_Slice(part.request, part.start + offset, part.start + offset + 1), [one])
+        # Every query passed alone but not together: not the queries' fault.
+        self._fail(part.request, first_error)
+
+    async def _search(self, queries: list[str], topks: list[int], loop: asyncio.AbstractEventLoop) -> list[Hits]:
+        return await loop.run_in_executor(self._executor, self.search, queries, topks)
+
+    def _deliver(self, part: _Slice, hits: list[Hits]) -> None:
+        request = part.request
+        if request.future.done():  # its client left, or another slice of it failed
+            return
+        request.hits[part.start:part.end] = hits
+        if request.taken == len(request.queries) and all(h is not None for h in request.hits):
+            request.future.set_result(request.hits)
+
+    def _fail(self, request: _Request, error: BaseException) -> None:
+        self.metrics.bad_queries += isinstance(error, BadQuery)
+        if not request.future.done():
+            request.future.set_exception(error)

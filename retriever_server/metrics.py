@@ -1,7 +1,8 @@
-"""Counters and recent-latency percentiles behind ``GET /metrics``.
+"""Counters and recent-latency percentiles behind ``GET /metrics``, in Prometheus' text format.
 
 Only the event loop thread writes here, so no lock is needed. Percentiles are over the last ``window`` requests,
-which keeps memory constant however long the server runs.
+which keeps memory constant however long the server runs. :func:`parse_prometheus` reads the text back (tests and
+benchmarks), so nothing needs a second, JSON, endpoint.
 """
 
 from __future__ import annotations
@@ -10,13 +11,18 @@ from collections import Counter, deque
 
 import numpy as np
 
+PREFIX = "retriever_"
+
 
 class Metrics:
     def __init__(self, window: int = 10_000):
         self.requests = 0
         self.queries = 0
         self.batches = 0
-        self.batch_errors = 0
+        self.batch_errors = 0  # batches that raised and were retried request by request
+        self.bad_queries = 0  # requests failed by a query that cannot be searched even alone
+        self.dropped_queries = 0  # queries never searched because their request was cancelled or failed
+        self.disconnects = 0  # requests whose client left before the answer
         self.rejected: Counter[int] = Counter()
         self._latencies_s: deque[float] = deque(maxlen=window)
         self._batch_queries: deque[int] = deque(maxlen=window)
@@ -35,24 +41,52 @@ class Metrics:
     def record_rejection(self, status: int) -> None:
         self.rejected[status] += 1
 
-    def snapshot(self) -> dict:
+    def prometheus(self) -> str:
         """What ``GET /metrics`` returns; ``*_recent`` statistics cover the last ``window`` requests or batches."""
-        latencies_ms = np.asarray(self._latencies_s) * 1000
-        p50, p90, p99 = np.percentile(latencies_ms, [50, 90, 99]).tolist() if len(latencies_ms) else (None,) * 3
-        sizes = np.asarray(self._batch_queries)
-        return {
-            "requests": self.requests,
-            "queries": self.queries,
-            "batches": self.batches,
-            "batch_errors": self.batch_errors,
-            "rejected": {str(status): n for status, n in sorted(self.rejected.items())},
-            "batch_queries_recent": {
-                "mean": float(sizes.mean()) if len(sizes) else None,
-                "max": int(sizes.max()) if len(sizes) else None,
-            },
-            "batch_requests_recent": {
-                "mean": float(np.mean(self._batch_requests)) if self._batch_requests else None,
-                "max": max(self._batch_requests, default=None),
-            },
-            "latency_ms_recent": {"p50": p50, "p90": p90, "p99": p99, "count": len(latencies_ms)},
-        }
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: dict[str, float]) -> None:
+            lines.extend([f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"])
+            lines.extend(f"{PREFIX}{name}{labels} {_number(value)}" for labels, value in samples.items())
+
+        metric("requests_total", "counter", "Requests answered with results.", {"": self.requests})
+        metric("queries_total", "counter", "Queries answered.", {"": self.queries})
+        metric("batches_total", "counter", "Batches searched.", {"": self.batches})
+        metric("batch_errors_total", "counter", "Batches that failed and were retried request by request.",
+               {"": self.batch_errors})
+        metric("bad_queries_total", "counter", "Requests failed (422) by a query that cannot be searched alone.",
+               {"": self.bad_queries})
+        metric("dropped_queries_total", "counter", "Queries never searched: their request was cancelled or failed.",
+               {"": self.dropped_queries})
+        metric("disconnects_total", "counter", "Requests whose client left before the answer (work cancelled).",
+               {"": self.disconnects})
+        metric("rejected_total", "counter", "Requests answered with an error, by HTTP status.",
+               {f'{{status="{status}"}}': n for status, n in sorted(self.rejected.items())})
+        latencies = np.asarray(self._latencies_s)
+        quantiles = np.percentile(latencies, [50, 90, 99]) if len(latencies) else [float("nan")] * 3
+        metric("latency_seconds_recent", "summary", "Body read to response built, over recent requests.",
+               {**{f'{{quantile="{q}"}}': v for q, v in zip(("0.5", "0.9", "0.99"), quantiles)},
+                "_count": len(latencies)})
+        for name, values in (("batch_queries_recent", self._batch_queries),
+                             ("batch_requests_recent", self._batch_requests)):
+            metric(name, "gauge", f"{name.split('_')[1].capitalize()} per batch over recent batches (mean, max).",
+                   {'{stat="mean"}': float(np.mean(values)) if values else float("nan"),
+                    '{stat="max"}': max(values, default=float("nan"))})
+        return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else "NaN" if value != value else repr(float(value))
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``{"name{labels}": value}`` of every sample in Prometheus text, without the ``retriever_`` prefix.
+
+    ``'retriever_rejected_total{status="422"} 3'`` -> ``{'rejected_total{status="422"}': 3.0}``.
+    """
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name.removeprefix(PREFIX)] = float(value)
+    return samples

@@ -3,11 +3,20 @@
     POST /retrieve  {"queries": [str, ...], "topk": 3, "return_scores": false}
         -> {"result": [[{"id": ..., "contents": "<title>\\n<text>"}, ...] per query]}
         with return_scores: {"result": [[{"document": {...}, "score": float}, ...] per query]}
-    GET /health     200 once the index, corpus and encoder are loaded
-    GET /metrics    requests, queries, batches formed, batch sizes, latency percentiles, rejections
+    GET /health     200 once the index, corpus and encoder are loaded (no file paths: it is unauthenticated)
+    GET /metrics    Prometheus text: requests, queries, batches, batch sizes, latency percentiles, rejections
 
-It is a drop-in replacement for Search-R1's ``retrieval_server.py`` (same flags, same JSON), but malformed input gets
-a 4xx naming the field instead of a crash, and a full queue gets a 503 instead of unbounded memory.
+It is a drop-in replacement for Search-R1's ``retrieval_server.py`` (same flags, same JSON), made safe to share
+between thousands of model-written queries (issue 13):
+
+- every rejection is a 4xx whose ``detail`` starts with the field it is about (``queries[3]: ...``), including bodies
+  nested too deep for the JSON parser and integers too long to convert; nothing reaches a bare 500, an unexpected
+  error is a 500 naming its type, and every one of them is counted in ``/metrics`` with the connection kept open;
+- a query that cannot be searched fails its own request only (422), never the batch it shares (batching.py);
+- work per request is capped (``max_request_cost`` documents, i.e. queries x topk) and a big request is served in
+  slices with the small ones in between, so one valid request cannot stall the others; a request whose client
+  disconnects stops being searched;
+- no interactive docs or OpenAPI schema are served.
 
     python -m retriever_server.server --index_path e5_flat.faiss --corpus_path wiki-18.jsonl \\
         --retriever_name e5 --retriever_model intfloat/e5-base-v2 --topk 3
@@ -15,6 +24,7 @@ a 4xx naming the field instead of a crash, and a full queue gets a 503 instead o
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -23,10 +33,11 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import HfArgumentParser
 
-from retriever_server.batching import BatcherConfig, MicroBatcher, QueueFull
+from retriever_server.batching import BadQuery, BatcherConfig, MicroBatcher, QueueFull
 from retriever_server.encoder import EncoderConfig
 from retriever_server.index import SearchConfig
 from retriever_server.metrics import Metrics
@@ -42,6 +53,11 @@ class ServerConfig:
     topk: int = field(default=3, metadata={"help": "Documents per query when a request gives no topk."})
     max_topk: int = field(default=100, metadata={"help": "Largest topk a request may ask for."})
     max_queries_per_request: int = field(default=1024, metadata={"help": "Most queries in one request."})
+    max_request_cost: int = field(
+        default=4096,
+        metadata={"help": "Most documents one request may ask for (queries x topk), e.g. 1,024 queries at topk 4 or "
+                          "40 at topk 100. 1,024 queries at topk 100 took 130-160 s on 2 cores and returned 100 MB."},
+    )
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "Largest request body, checked before parsing."})
     host: str = field(default="127.0.0.1", metadata={"help": "Interface to bind (0.0.0.0 to serve other hosts)."})
     port: int = field(default=8000, metadata={"help": "Port to listen on."})
@@ -50,6 +66,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.topk <= self.max_topk:
             raise ValueError(f"topk must be in [1, max_topk={self.max_topk}], got {self.topk}")
+        if self.max_request_cost < self.topk:
+            raise ValueError(f"max_request_cost must allow one query at the default topk {self.topk}, "
+                             f"got {self.max_request_cost}")
 
 
 @dataclass
@@ -63,12 +82,34 @@ def _bad(field_name: str, message: str, status: int = 422) -> HTTPException:
     return HTTPException(status_code=status, detail=f"{field_name}: {message}")
 
 
+def _shown(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that may echo a 1 MB string."""
+    if not isinstance(value, (str, int, float, bool, type(None))):
+        return f"a JSON {'array' if isinstance(value, list) else 'object'}"  # repr of deep nesting would recurse
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _text_problem(query: str) -> str | None:
+    """Why ``query`` is no searchable text, or None. A lone UTF-16 surrogate (JSON ``"\\ud800"``) is valid JSON but
+    no Unicode text: the tokenizer raises on it."""
+    try:
+        query.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"contains a lone UTF-16 surrogate {query[error.start]!r} at position {error.start}; expected text"
+    return None if query.strip() else f"expected a non-empty string, got {_shown(query)}"
+
+
 def parse_request(body: bytes, config: ServerConfig, max_queries: int) -> RetrieveRequest:
     """Validate a /retrieve body; every rejection names the offending field, what it got and what was expected."""
     try:
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise _bad("body", f"invalid JSON ({exc})", status=400) from None
+    except RecursionError:
+        raise _bad("body", "JSON nested too deeply to parse", status=400) from None
+    except ValueError as exc:  # an integer literal longer than Python converts (4,300 digits)
+        raise _bad("body", f"unreadable JSON value ({exc})", status=400) from None
     if not isinstance(payload, dict):
         raise _bad("body", f"expected a JSON object, got {type(payload).__name__}")
     queries = payload.get("queries")
@@ -77,17 +118,21 @@ def parse_request(body: bytes, config: ServerConfig, max_queries: int) -> Retrie
     if not 1 <= len(queries) <= max_queries:
         raise _bad("queries", f"expected 1 to {max_queries} queries per request, got {len(queries)}")
     for i, query in enumerate(queries):
-        if not isinstance(query, str) or not query.strip():
-            raise _bad(f"queries[{i}]", f"expected a non-empty string, got {query!r}")
+        problem = _text_problem(query) if isinstance(query, str) else f"expected a string, got {_shown(query)}"
+        if problem:
+            raise _bad(f"queries[{i}]", problem)
     topk = payload.get("topk")
     if topk is None:
         topk = config.topk
     # bool is an int subclass in Python, but `true` is not a count.
     elif isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= config.max_topk:
-        raise _bad("topk", f"expected an integer in [1, {config.max_topk}], got {topk!r}")
+        raise _bad("topk", f"expected an integer in [1, {config.max_topk}], got {_shown(topk)}")
+    if len(queries) * topk > config.max_request_cost:
+        raise _bad("queries x topk", f"{len(queries)} x {topk} = {len(queries) * topk} documents exceeds "
+                                     f"max_request_cost={config.max_request_cost}; split the request")
     return_scores = payload.get("return_scores", False)
     if not isinstance(return_scores, bool):
-        raise _bad("return_scores", f"expected true or false, got {return_scores!r}")
+        raise _bad("return_scores", f"expected true or false, got {_shown(return_scores)}")
     return RetrieveRequest(queries, topk, return_scores)
 
 
@@ -95,7 +140,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes, so it is never held whole."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _bad("body", f"{declared} bytes exceeds max_body_bytes={limit}", status=413)
+        raise _bad("body", f"{_shown(declared)} bytes exceeds max_body_bytes={limit}", status=413)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -103,6 +148,12 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise _bad("body", f"more than max_body_bytes={limit} bytes", status=413)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _client_left(request: Request) -> None:
+    """Returns when the client disconnects (the body is read, so the next ASGI message can only be that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def format_result(hits: list[Hits], return_scores: bool) -> list[list[dict]]:
@@ -123,24 +174,49 @@ def create_app(retriever: Retriever, config: ServerConfig, batcher_config: Batch
         yield
         await batcher.stop()
 
-    app = FastAPI(title="searchr1-trl retriever", lifespan=lifespan)
+    # No /docs, /redoc or /openapi.json: the server is unauthenticated and nothing needs them.
+    app = FastAPI(title="searchr1-trl retriever", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.exception_handler(HTTPException)
-    async def count_rejection(_: Request, exc: HTTPException) -> JSONResponse:
-        metrics.record_rejection(exc.status_code)
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+    def error(status: int, detail: str) -> JSONResponse:
+        metrics.record_rejection(status)
+        return JSONResponse({"detail": detail}, status_code=status)
 
-    @app.post("/retrieve")
-    async def retrieve(request: Request) -> JSONResponse:
+    @app.exception_handler(StarletteHTTPException)  # ours, and Starlette's 404/405
+    async def count_rejection(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error(exc.status_code, exc.detail)
+
+    async def answer(request: Request) -> Response:
         start = time.monotonic()
         parsed = parse_request(await read_body(request, config.max_body_bytes), config, max_queries)
+        search = asyncio.ensure_future(batcher.submit(parsed.queries, parsed.topk))
+        left = asyncio.ensure_future(_client_left(request))
         try:
-            hits = await batcher.submit(parsed.queries, parsed.topk)
+            await asyncio.wait({search, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+        if not search.done():
+            search.cancel()  # the batcher drops the queries not yet searched
+            metrics.disconnects += 1
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+        try:
+            hits = search.result()
         except QueueFull as exc:
             raise HTTPException(status_code=503, detail=f"queue: {exc}") from None
+        except BadQuery as exc:
+            raise HTTPException(status_code=422, detail=str(exc)) from None
         content = {"result": format_result(hits, parsed.return_scores)}
         metrics.record_request(len(parsed.queries), time.monotonic() - start)
         return JSONResponse(content)
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request) -> Response:
+        try:
+            return await answer(request)
+        except HTTPException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug: still a named, counted answer on a connection kept open
+            logger.exception("unexpected error answering /retrieve")
+            return error(500, f"internal: {type(exc).__name__}: {str(exc)[:200]}")
 
     @app.get("/health")
     async def health() -> dict:
@@ -148,15 +224,12 @@ def create_app(retriever: Retriever, config: ServerConfig, batcher_config: Batch
             "status": "ok",
             "passages": len(retriever.corpus),
             "index": type(retriever.index).__name__,
-            "index_path": config.index_path,
-            "corpus_path": config.corpus_path,
-            "retriever_model": retriever.encoder.config.retriever_model,
             "batching": batcher_config.batching,
         }
 
     @app.get("/metrics")
-    async def get_metrics() -> dict:
-        return metrics.snapshot()
+    async def get_metrics() -> PlainTextResponse:
+        return PlainTextResponse(metrics.prometheus(), media_type="text/plain; version=0.0.4")
 
     return app
 

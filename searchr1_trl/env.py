@@ -12,9 +12,14 @@ the same passages pasted into the prompt; ``benchmarks/answer_formats.py``).
 Retrieval goes through one pooled ``httpx.AsyncClient`` per :class:`RetrievalClient`. Searches issued in the same
 event-loop instant (the calls of one turn, and the turns of every concurrent rollout that reaches a search together)
 are sent as one request, so the retriever embeds them in one batch. A request that times out, fails to connect,
-gets a 5xx/429 or an unreadable body is retried ``max_retries`` times with exponential backoff; a search that still
+gets a 5xx/429 or an unreadable body is retried up to ``max_retries`` times with exponential backoff (0.5 s doubling
+up to 8 s: the defaults wait 39.5 s in all, so a retriever restart of ~10 s costs no search); a search that still
 fails gives the model an empty result, is logged as a warning and is counted in :meth:`SearchR1Env.metrics`, never
-raised into the rollout.
+raised into the rollout. Every bound is on wall time, not on socket reads: an attempt gets ``timeout_s`` from
+connecting to its last byte (a server that drips one byte a second is cut off), a search gets ``deadline_s`` over
+all its attempts and waits, and a response over ``max_response_bytes`` is refused unread; passages are cut at
+``max_passage_chars`` and any text that is not valid Unicode (lone surrogates) is replaced, so what reaches the
+chat template is always text.
 
 Malformed calls are answered, not raised: arguments that are not a JSON object with a non-empty string ``query``
 (whether they arrive as a dict or a JSON string) send nothing and get :data:`EMPTY_QUERY_MESSAGE`; a call of any
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -76,12 +82,28 @@ class SearchR1EnvConfig:
         default="http://127.0.0.1:8000/retrieve", metadata={"help": "URL of the retrieval server's /retrieve route."}
     )
     topk: int = field(default=3, metadata={"help": "Passages returned per search."})
-    timeout_s: float = field(default=60.0, metadata={"help": "Timeout of one retrieval request, in seconds."})
+    timeout_s: float = field(
+        default=60.0, metadata={"help": "Time budget of one retrieval request, connect to last byte, in seconds."}
+    )
     max_retries: int = field(
-        default=2, metadata={"help": "Retries of a failed retrieval request before the searches get empty results."}
+        default=8, metadata={"help": "Retries of a failed retrieval request before the searches get empty results."}
     )
     retry_backoff_s: float = field(
-        default=0.5, metadata={"help": "Wait before the first retry, doubled for every further retry, in seconds."}
+        default=0.5,
+        metadata={"help": "Wait before the first retry, doubled for every further retry up to max_backoff_s, in "
+                          "seconds (defaults: 39.5 s of waits over 8 retries, longer than a retriever restart)."},
+    )
+    max_backoff_s: float = field(default=8.0, metadata={"help": "Longest wait between two retries, in seconds."})
+    deadline_s: float = field(
+        default=180.0,
+        metadata={"help": "Longest one search may take, every attempt and wait included, in seconds; then it gets an "
+                          "empty result. Keep it below the rollout's step_timeout_s."},
+    )
+    max_response_bytes: int = field(
+        default=64 << 20, metadata={"help": "Largest retrieval response read; a larger one is a failed request."}
+    )
+    max_passage_chars: int = field(
+        default=4096, metadata={"help": "Characters of one passage kept in the tool message (wiki-18's are ~600)."}
     )
     restate_question: bool = field(
         default=False,
@@ -90,16 +112,38 @@ class SearchR1EnvConfig:
     )
 
 
-def _passages_to_string(docs: list[dict]) -> str:
-    """The passages as the model reads them, one per line.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """``text`` with lone UTF-16 surrogates (JSON ``"\\ud800"``, valid JSON but no Unicode) replaced by U+FFFD, so
+    it can be encoded as UTF-8 by httpx and tokenizers. ``"a\\ud800b"`` -> ``"a\\ufffdb"``."""
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+def is_text(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _passages_to_string(docs: list[dict], max_chars: int | None = None) -> str:
+    """The passages as the model reads them, one per line, each cut at ``max_chars``.
 
     ``[{"contents": "Eiffel Tower\\nA tower in Paris."}]`` -> ``"Doc 1(Title: Eiffel Tower) A tower in Paris."``
     """
     lines = []
     for number, doc in enumerate(docs, start=1):
-        title, _, text = doc["contents"].partition("\n")
+        title, _, text = valid_text(doc["contents"][:max_chars]).partition("\n")
         lines.append(f"Doc {number}(Title: {title}) {text}")
     return "\n".join(lines)
+
+
+class ResponseTooLarge(ValueError):
+    """The retrieval server sent more than ``max_response_bytes``."""
 
 
 def _passages_per_query(body: Any, num_queries: int) -> list[list[dict]]:
@@ -121,7 +165,7 @@ def _retryable(error: Exception) -> bool:
     if isinstance(error, httpx.HTTPStatusError):
         status = error.response.status_code
         return status >= 500 or status == 429
-    return True
+    return not isinstance(error, ResponseTooLarge)
 
 
 class RetrievalClient:
@@ -132,10 +176,15 @@ class RetrievalClient:
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"search_url must be an http(s) URL such as http://127.0.0.1:8000/retrieve, "
                              f"got {config.search_url!r}")
-        if config.topk < 1 or config.timeout_s <= 0 or config.max_retries < 0 or config.retry_backoff_s < 0:
-            raise ValueError(f"expected topk >= 1, timeout_s > 0, max_retries >= 0 and retry_backoff_s >= 0, got "
-                             f"topk={config.topk}, timeout_s={config.timeout_s}, max_retries={config.max_retries}, "
-                             f"retry_backoff_s={config.retry_backoff_s}")
+        if (config.topk < 1 or min(config.timeout_s, config.deadline_s) <= 0 or config.max_retries < 0
+                or min(config.retry_backoff_s, config.max_backoff_s) < 0
+                or min(config.max_response_bytes, config.max_passage_chars) < 1):
+            raise ValueError(f"expected topk >= 1, timeout_s, deadline_s > 0, max_retries, retry_backoff_s, "
+                             f"max_backoff_s >= 0 and max_response_bytes, max_passage_chars >= 1, got "
+                             f"topk={config.topk}, timeout_s={config.timeout_s}, deadline_s={config.deadline_s}, "
+                             f"max_retries={config.max_retries}, retry_backoff_s={config.retry_backoff_s}, "
+                             f"max_backoff_s={config.max_backoff_s}, max_response_bytes={config.max_response_bytes}, "
+                             f"max_passage_chars={config.max_passage_chars}")
         self.config = config
         self._http: httpx.AsyncClient | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
@@ -181,19 +230,30 @@ class RetrievalClient:
 
     async def _retrieve(self, queries: list[str]) -> list[str] | None:
         """Formatted passages for each query, or None once every attempt has failed."""
-        payload = {"queries": queries, "topk": self.config.topk, "return_scores": False}
+        # Encoded here, not by httpx: a query that is no valid text (a lone surrogate) would make httpx raise for
+        # the whole batch; valid_text makes it searchable as it would read.
+        body = json.dumps({"queries": [valid_text(q) for q in queries], "topk": self.config.topk,
+                           "return_scores": False}, ensure_ascii=False).encode()
         http = self._client()
-        attempts = self.config.max_retries + 1
-        for attempt in range(attempts):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.deadline_s
+        last_error: Exception = TimeoutError(f"deadline_s={self.config.deadline_s} passed")
+        attempts = 0
+        for attempt in range(self.config.max_retries + 1):
             if attempt:
-                await asyncio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
+                backoff = min(self.config.retry_backoff_s * 2 ** (attempt - 1), self.config.max_backoff_s)
+                if loop.time() + backoff >= deadline:
+                    break
+                await asyncio.sleep(backoff)
             self._counts["requests"] += 1
+            attempts += 1
             start = time.perf_counter()
             try:
-                response = await http.post(self.config.search_url, json=payload)
-                response.raise_for_status()
-                return [_passages_to_string(docs) for docs in _passages_per_query(response.json(), len(queries))]
-            except (httpx.HTTPError, ValueError) as error:  # ValueError: body is not JSON or has another shape
+                async with asyncio.timeout(min(self.config.timeout_s, deadline - loop.time())):
+                    docs = _passages_per_query(json.loads(await self._post(http, body)), len(queries))
+                return [_passages_to_string(d, self.config.max_passage_chars) for d in docs]
+            # ValueError: body is not JSON, has another shape or is too large; TimeoutError: timeout_s or deadline_s
+            except (httpx.HTTPError, ValueError, TimeoutError) as error:
                 last_error = error
                 if not _retryable(error):
                     break
@@ -202,9 +262,24 @@ class RetrievalClient:
         # Warn, don't raise, so one flaky retriever doesn't crash the rollouts; the failures are counted too.
         logger.warning(
             "retrieval of %d queries from %s failed after %d attempt(s): %r; those searches get empty results",
-            len(queries), self.config.search_url, attempt + 1, last_error,
+            len(queries), self.config.search_url, attempts, last_error,
         )
         return None
+
+    async def _post(self, http: httpx.AsyncClient, body: bytes) -> bytes:
+        """The response body of one POST, read up to ``max_response_bytes``; raises for a 4xx/5xx status."""
+        headers = {"content-type": "application/json"}
+        async with http.stream("POST", self.config.search_url, content=body, headers=headers) as response:
+            response.raise_for_status()
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self.config.max_response_bytes:
+                raise ResponseTooLarge(f"{declared} bytes > max_response_bytes={self.config.max_response_bytes}")
+            received = bytearray()
+            async for chunk in response.aiter_bytes():
+                received += chunk
+                if len(received) > self.config.max_response_bytes:
+                    raise ResponseTooLarge(f"more than max_response_bytes={self.config.max_response_bytes}")
+            return bytes(received)
 
     def _client(self) -> httpx.AsyncClient:
         """The pooled HTTP client of the running event loop."""
@@ -232,17 +307,18 @@ class RetrievalClient:
 
 
 def _query_from_arguments(arguments: dict | str | None) -> str:
-    """The ``query`` argument of a search call, stripped; "" when missing, empty, not a string or unparseable.
+    """The ``query`` argument of a search call, stripped; "" when missing, empty, not valid text (a lone surrogate),
+    not a string or unparseable (also nested too deep for the JSON parser, or an integer too long to convert).
 
     ``{"query": " Eiffel Tower "}`` and ``'{"query": "Eiffel Tower"}'`` -> ``"Eiffel Tower"``; ``'{"query'`` -> ``""``.
     """
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # ValueError: not JSON, or an integer over 4,300 digits
             return ""  # counted by the caller as an empty query
     query = arguments.get("query") if isinstance(arguments, dict) else None
-    return query.strip() if isinstance(query, str) else ""
+    return query.strip() if isinstance(query, str) and is_text(query) else ""
 
 
 def _question(messages: list[dict]) -> str:
@@ -277,9 +353,11 @@ class SearchR1Env(MessageEnv):
         """The tool message answering one call; ``restatement`` (if any) follows the passages of a search."""
         function = call.get("function") or {}
         name = function.get("name")
+        # What the model wrote, as text the chat template can render (str() of deep nesting would recurse).
+        shown = valid_text(name)[:200] if isinstance(name, str) else f"<{type(name).__name__}>"
         if name != "search":
             self._counts["unknown_tool_calls"] += 1
-            content = f'Error: unknown tool {name!r}; the only tool is "search".'
+            content = f'Error: unknown tool {shown!r}; the only tool is "search".'
         elif query := _query_from_arguments(function.get("arguments")):
             content = await self.retrieval.search(query)
             if content and restatement:
@@ -287,9 +365,9 @@ class SearchR1Env(MessageEnv):
         else:
             self._counts["empty_queries"] += 1
             content = EMPTY_QUERY_MESSAGE
-        tool_message = {"role": "tool", "name": str(name), "content": content}
-        if call.get("id"):
-            tool_message["tool_call_id"] = call["id"]
+        tool_message = {"role": "tool", "name": shown, "content": content}
+        if isinstance(call.get("id"), str) and call["id"]:
+            tool_message["tool_call_id"] = valid_text(call["id"])
         return tool_message
 
     def metrics(self) -> dict[str, float]:

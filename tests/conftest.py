@@ -93,7 +93,7 @@ def vllm_server(offline_assets, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def retriever_url(offline_assets, squad_dev_sample, tmp_path_factory):
+def retriever_server(offline_assets, squad_dev_sample, tmp_path_factory) -> RetrieverProcess:
     """A real retrieval server (offline MiniLM embedder, exact faiss index) over the small SQuAD dev corpus."""
     corpus_rows, _ = squad_dev_sample
     work = tmp_path_factory.mktemp("retriever")
@@ -107,4 +107,19 @@ def retriever_url(offline_assets, squad_dev_sample, tmp_path_factory):
     )
     with RetrieverProcess(index_path=str(index), corpus_path=str(corpus), retriever_model=offline_assets.embedder,
                           port=free_port(), log_file=str(work / "server.log")) as server:
-        yield server.url
+        yield server
+
+
+@pytest.fixture(scope="session")
+def retriever_url(retriever_server) -> str:
+    return retriever_server.url
+
+
+@pytest.fixture(scope="session")
+def reliability_figures():
+    """Figures the reliability tests measure; written as JSON to $RELIABILITY_FIGURES (benchmarks/reliability.py
+    renders them into docs/RELIABILITY.md) when that variable is set."""
+    figures: dict = {}
+    yield figures
+    if os.environ.get("RELIABILITY_FIGURES"):
+        Path(os.environ["RELIABILITY_FIGURES"]).write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")

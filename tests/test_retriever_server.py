@@ -14,6 +14,7 @@ import pytest
 
 from conftest import free_port
 from retriever_server.launch import RetrieverProcess
+from retriever_server.metrics import parse_prometheus
 from searchr1_trl.assets import SQUAD_DEV, cache_dir
 
 MAX_TOPK = 100  # the server's default --max_topk
@@ -25,8 +26,8 @@ def base_url(retriever_url) -> str:
     return retriever_url.rsplit("/", 1)[0]
 
 
-def metrics(base: str) -> dict:
-    return httpx.get(f"{base}/metrics").json()
+def metrics(base: str) -> dict[str, float]:
+    return parse_prometheus(httpx.get(f"{base}/metrics").text)
 
 
 def retrieve(url: str, payload) -> httpx.Response:
@@ -122,10 +123,10 @@ def test_oversized_body_gets_413_whether_declared_or_streamed(retriever_url):
 
 
 def test_server_keeps_serving_after_rejections(retriever_url, base_url):
-    before = metrics(base_url)["rejected"].get("422", 0)
+    before = metrics(base_url).get('rejected_total{status="422"}', 0)
     retrieve(retriever_url, {"queries": [1, 2, 3]})
 
-    assert metrics(base_url)["rejected"]["422"] == before + 1
+    assert metrics(base_url)['rejected_total{status="422"}'] == before + 1
     assert httpx.get(f"{base_url}/health").status_code == 200
     assert retrieve(retriever_url, {"queries": ["still there?"]}).status_code == 200
 
@@ -177,19 +178,19 @@ def test_concurrent_requests_are_answered_from_merged_batches(retriever_url, bas
         assert len(result) == len(payload["queries"]) and all(len(docs) == payload["topk"] for docs in result)
     assert [[[d["id"] for d in docs] for docs in r.json()["result"]] for r in responses[:6]] == \
         [[[d["id"] for d in docs] for docs in result] for result in alone]
-    requests, batches = after["requests"] - before["requests"], after["batches"] - before["batches"]
+    requests = after["requests_total"] - before["requests_total"]
+    batches = after["batches_total"] - before["batches_total"]
     assert requests == len(payloads)
     assert batches < requests
-    assert after["batch_requests_recent"]["max"] > 1
+    assert after['batch_requests_recent{stat="max"}'] > 1
 
 
 @pytest.fixture(scope="module")
-def unbatched_base_url(base_url, tmp_path_factory):
+def unbatched_base_url(retriever_server, tmp_path_factory):
     """A second server on the same index with batching off and room for only 4 queries at a time."""
-    health = httpx.get(f"{base_url}/health").json()
     log = tmp_path_factory.mktemp("unbatched") / "server.log"
-    with RetrieverProcess(index_path=health["index_path"], corpus_path=health["corpus_path"],
-                          retriever_model=health["retriever_model"], port=free_port(), log_file=str(log),
+    with RetrieverProcess(index_path=retriever_server.index_path, corpus_path=retriever_server.corpus_path,
+                          retriever_model=retriever_server.retriever_model, port=free_port(), log_file=str(log),
                           extra_args=("--no_batching", "--max_queued_queries", "4")) as server:
         yield server.url.removesuffix("/retrieve")
 
@@ -201,8 +202,8 @@ def test_with_batching_off_each_request_is_its_own_batch(unbatched_base_url):
 
     assert all(r.status_code == 200 for r in responses)
     stats = metrics(unbatched_base_url)
-    assert stats["batches"] == stats["requests"] == 4
-    assert stats["batch_requests_recent"]["max"] == 1
+    assert stats["batches_total"] == stats["requests_total"] == 4
+    assert stats['batch_requests_recent{stat="max"}'] == 1
 
 
 def test_a_full_queue_answers_503_and_recovers(unbatched_base_url):
@@ -213,7 +214,7 @@ def test_a_full_queue_answers_503_and_recovers(unbatched_base_url):
     codes = [r.status_code for r in responses]
     assert set(codes) == {200, 503}
     assert all(r.json()["detail"].startswith("queue:") for r in responses if r.status_code == 503)
-    assert metrics(unbatched_base_url)["rejected"]["503"] == codes.count(503)
+    assert metrics(unbatched_base_url)['rejected_total{status="503"}'] == codes.count(503)
     assert httpx.post(f"{unbatched_base_url}/retrieve", json={"queries": ["and now?"]}).status_code == 200
 
 

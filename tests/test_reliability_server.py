@@ -1,0 +1,304 @@
+"""Reliability of the retrieval server under bad, hostile and heavy requests (issue 13, F3-F5 and F10).
+
+Everything runs against the real server (uvicorn process, MiniLM encoder, exact faiss) of conftest, except the first
+test, which drives the real batcher with a search function that fails on one query: the real encoder fails only on
+input the server now refuses before batching, so a poison query that gets through validation has to be injected.
+Figures go to ``reliability_figures`` (docs/RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from retriever_server.batching import BadQuery, BatcherConfig, MicroBatcher
+from retriever_server.metrics import Metrics, parse_prometheus
+from retriever_server.retriever import Hits
+
+POISON = '{"queries": ["Notre Dame \\ud800"], "topk": 3}'  # valid JSON, but a lone surrogate is no text
+
+
+@pytest.fixture(scope="module")
+def base_url(retriever_url) -> str:
+    return retriever_url.rsplit("/", 1)[0]
+
+
+def metrics(base: str) -> dict[str, float]:
+    return parse_prometheus(httpx.get(f"{base}/metrics").text)
+
+
+def test_a_query_that_fails_its_batch_fails_only_its_own_request():
+    def search(queries: list[str], topks: list[int]) -> list[Hits]:
+        if "poison" in queries:
+            raise RuntimeError("cannot encode")
+        return [Hits([{"id": q, "contents": q}], [1.0]) for q in queries]
+
+    async def main():
+        batcher = MicroBatcher(search, BatcherConfig(max_wait_ms=20), Metrics())
+        await batcher.start()
+        requests = [["a", "b"], ["c", "poison", "d"], ["e"]]
+        results = await asyncio.gather(*(batcher.submit(q, 1) for q in requests), return_exceptions=True)
+        await batcher.stop()
+        return results, batcher.metrics
+
+    (first, bad, last), counted = asyncio.run(main())
+
+    assert [h.documents[0]["id"] for h in first] == ["a", "b"] and last[0].documents[0]["id"] == "e"
+    assert isinstance(bad, BadQuery) and str(bad).startswith("queries[1]: cannot be searched (RuntimeError")
+    assert (counted.batch_errors, counted.bad_queries) == (1, 1)
+
+
+def test_a_big_request_is_served_in_slices_with_newcomers_first():
+    order: list[list[str]] = []
+
+    def search(queries, topks):
+        order.append(list(queries))
+        time.sleep(0.05)
+        return [Hits([], []) for _ in queries]
+
+    async def main():
+        batcher = MicroBatcher(search, BatcherConfig(max_batch_size=4, max_wait_ms=0), Metrics())
+        await batcher.start()
+        big = asyncio.ensure_future(batcher.submit([f"big{i}" for i in range(12)], 1))
+        await asyncio.sleep(0.02)  # the first slice of the big request is running
+        small = await batcher.submit(["small"], 1)
+        await big
+        await batcher.stop()
+        return small
+
+    asyncio.run(main())
+
+    assert all(len(batch) <= 4 for batch in order)
+    assert "small" in order[1], order  # right after the slice that was running when it arrived
+
+
+def test_a_lone_surrogate_query_gets_422_naming_it_and_its_batchmates_are_answered(retriever_url, base_url):
+    good = json.dumps({"queries": ["Who won Super Bowl 50?"], "topk": 3})
+    bodies = [POISON if i % 5 == 0 else good for i in range(40)]
+    before = metrics(base_url)
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=40)) as client:
+            return await asyncio.gather(*(client.post(retriever_url, content=b) for b in bodies))
+
+    responses = asyncio.run(burst())
+
+    after = metrics(base_url)
+    codes = [r.status_code for r, b in zip(responses, bodies) if b == good]
+    poisoned = [r for r, b in zip(responses, bodies) if b == POISON]
+    assert codes == [200] * 32
+    assert {r.status_code for r in poisoned} == {422}
+    assert poisoned[0].json()["detail"].startswith("queries[0]: contains a lone UTF-16 surrogate")
+    assert after['rejected_total{status="422"}'] - before.get('rejected_total{status="422"}', 0) == 8
+
+
+@pytest.mark.parametrize(("body", "detail"), [
+    (b"[" * 100_000 + b"]" * 100_000, "body: JSON nested too deeply"),
+    (b'{"queries": ["q"], "topk": 1' + b"0" * 5000 + b"}", "body: unreadable JSON value"),
+    (b'{"queries": [' + b"[" * 500 + b"]" * 500 + b"]}", "queries[0]: expected a string, got a JSON array"),
+    (json.dumps({"queries": ["q"] * 1024, "topk": 100}).encode(), "queries x topk: 1024 x 100 = 102400 documents"),
+])
+def test_hostile_bodies_get_a_4xx_naming_the_problem_counted_and_the_connection_kept(retriever_url, base_url, body,
+                                                                                     detail):
+    before = metrics(base_url)
+    with socket.create_connection(("127.0.0.1", httpx.URL(retriever_url).port), timeout=60) as sock:
+        stream = sock.makefile("rb")
+        statuses = []
+        for payload in [body] + [json.dumps({"queries": [f"Super Bowl {i}"]}).encode() for i in range(20)]:
+            sock.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            status = int(stream.readline().split()[1])
+            headers = list(iter(stream.readline, b"\r\n"))
+            length = next(int(line.split(b":")[1]) for line in headers if line.lower().startswith(b"content-length"))
+            answer = stream.read(length)
+            statuses.append(status)
+            if len(statuses) == 1:
+                first_detail = json.loads(answer)["detail"]
+
+    assert 400 <= statuses[0] < 500 and first_detail.startswith(detail)
+    assert statuses[1:] == [200] * 20  # same connection: it was kept open
+    after = metrics(base_url)
+    assert after[f'rejected_total{{status="{statuses[0]}"}}'] == before.get(
+        f'rejected_total{{status="{statuses[0]}"}}', 0) + 1
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+bodies = st.one_of(
+    st.fixed_dictionaries({}, optional={"queries": json_values | st.lists(st.text(max_size=40), max_size=5),
+                                        "topk": json_values | st.integers(-5, 120),
+                                        "return_scores": json_values}).map(lambda d: json.dumps(d).encode()),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.binary(max_size=200),
+    st.builds(lambda depth, digits: b'{"queries": ["q"], "topk": ' + b"[" * depth + b"1" * digits + b"]" * depth
+              + b"}", st.integers(0, 3000), st.integers(1, 6000)),
+    st.text(max_size=60).map(lambda q: ('{"queries": ["%s"]}' % q.replace("\\", "").replace('"', "")
+                                        + "\\ud83d").encode("utf-8", "surrogatepass")),
+)
+
+
+def test_two_thousand_fuzzed_bodies_get_no_5xx_and_every_4xx_names_its_field(retriever_url, base_url,
+                                                                             reliability_figures):
+    statuses: list[int] = []
+    unnamed: list[str] = []
+    client = httpx.Client(timeout=60)
+
+    @settings(max_examples=2000, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(bodies)
+    def post(body: bytes):
+        response = client.post(retriever_url, content=body, headers={"content-type": "application/json"})
+        statuses.append(response.status_code)
+        if response.status_code >= 400:
+            detail = response.json()["detail"]
+            if not detail.split(":", 1)[0] in ("body", "queries", "topk", "return_scores", "queries x topk") and \
+                    not detail.startswith("queries["):
+                unnamed.append(detail)
+
+    before = metrics(base_url)
+    post()
+    client.close()
+
+    after = metrics(base_url)
+    fivexx = sum(s >= 500 for s in statuses)
+    rejected = sum(after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("rejected_total"))
+    reliability_figures["server_fuzz"] = {"bodies": len(statuses), "ok": statuses.count(200), "5xx": fivexx,
+                                          "4xx": sum(400 <= s < 500 for s in statuses)}
+    assert len(statuses) >= 2000
+    assert fivexx == 0 and unnamed == []
+    assert rejected == sum(s >= 400 for s in statuses)  # every rejection counted
+
+
+def test_a_request_whose_client_leaves_is_cancelled(retriever_url, base_url):
+    heavy = {"queries": [f"{i} " + "long query about the history of the Amazon rainforest " * 18 for i in range(1024)],
+             "topk": 4}
+    before = metrics(base_url)
+
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(retriever_url, json=heavy, timeout=httpx.Timeout(60, read=1.0))
+    time.sleep(0.5)
+    start = time.monotonic()
+    answered = httpx.post(retriever_url, json={"queries": ["Who won Super Bowl 50?"]}, timeout=60)
+    waited = time.monotonic() - start
+
+    after = metrics(base_url)
+    assert answered.status_code == 200 and waited < 5, waited
+    assert after["disconnects_total"] == before["disconnects_total"] + 1
+    assert after["dropped_queries_total"] - before["dropped_queries_total"] > 512
+
+
+def test_no_api_docs_are_served_and_health_shows_no_paths(base_url):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{base_url}{path}").status_code == 404
+    health = httpx.get(f"{base_url}/health").json()
+    assert health["status"] == "ok"
+    assert not any("path" in key or "model" in key for key in health)
+    assert "/" not in json.dumps(health)
+
+
+def test_metrics_are_prometheus_text(base_url):
+    response = httpx.get(f"{base_url}/metrics")
+
+    assert response.headers["content-type"].startswith("text/plain")
+    assert "# TYPE retriever_requests_total counter" in response.text
+    samples = parse_prometheus(response.text)
+    assert samples["requests_total"] >= 0 and "latency_seconds_recent_count" in samples
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("inf")
+
+
+HEAVY = json.dumps({"queries": [f"{i} " + "long query about the history of the Amazon rainforest " * 17
+                                for i in range(1024)], "topk": 4}).encode()  # 0.96 MB, 4,096 documents: allowed
+
+
+async def _exchange(reader, writer, body: bytes) -> int:
+    """One POST /retrieve on an open keep-alive connection; the status code."""
+    writer.write(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    await reader.readexactly(length)
+    return int(head[9:12])
+
+
+async def _load(port: int, questions: list[str], seconds: float, extra: str | None) -> dict:
+    """64 good clients, each posting one question after another for ``seconds`` (after 1 s unmeasured), beside an
+    ``extra`` client: "poison" (a lone-surrogate query every 50 ms) or "heavy" (the largest allowed request, again
+    and again) or None. Good requests' latencies and failures, and the extra client's statuses."""
+    good_ms: list[float] = []
+    failed: list[object] = []
+    extra_statuses: list[int] = []
+    loop = asyncio.get_running_loop()
+    measure_from = loop.time() + 1.0
+    stop_at = measure_from + seconds
+
+    async def good(i: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            n = i
+            while (sent := loop.time()) < stop_at:
+                body = json.dumps({"queries": [questions[n % len(questions)]], "topk": 3}).encode()
+                n += 64
+                try:
+                    status = await _exchange(reader, writer, body)
+                except (OSError, asyncio.IncompleteReadError) as error:
+                    failed.append(repr(error))
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    continue
+                if sent >= measure_from:
+                    good_ms.append((loop.time() - sent) * 1000) if status == 200 else failed.append(status)
+        finally:
+            writer.close()
+
+    async def other() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while loop.time() < stop_at:
+                if extra == "poison":
+                    extra_statuses.append(await _exchange(reader, writer, POISON.encode()))
+                    await asyncio.sleep(0.05)
+                else:
+                    extra_statuses.append(await _exchange(reader, writer, HEAVY))
+        finally:
+            writer.close()  # a heavy request still running is cancelled by the server
+
+    clients = [good(i) for i in range(64)]
+    if extra:
+        task = asyncio.ensure_future(other())
+    await asyncio.gather(*clients)
+    if extra:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return {"good_requests": len(good_ms) + len(failed), "good_failed": len(failed),
+            "p50_ms": _percentile(good_ms, 50), "p99_ms": _percentile(good_ms, 99),
+            "extra_statuses": sorted(set(extra_statuses)), "extra_requests": len(extra_statuses)}
+
+
+def test_64_good_clients_are_all_answered_beside_poison_and_a_heavy_request(retriever_url, base_url,
+                                                                             squad_dev_sample, reliability_figures):
+    questions = squad_dev_sample[1]["question"].tolist()
+    port = httpx.URL(retriever_url).port
+
+    runs = {extra or "clean": asyncio.run(_load(port, questions, 10.0, extra)) for extra in (None, "poison", "heavy")}
+
+    reliability_figures["server_load"] = runs
+    print(json.dumps(runs, indent=1))
+    clean, poison, heavy = runs["clean"], runs["poison"], runs["heavy"]
+    assert clean["good_failed"] == poison["good_failed"] == heavy["good_failed"] == 0
+    assert poison["extra_statuses"] == [422] and poison["extra_requests"] >= 50
+    assert heavy["p99_ms"] <= 2 * clean["p99_ms"], (heavy["p99_ms"], clean["p99_ms"])
+    assert metrics(base_url)["disconnects_total"] >= 1  # the heavy request left running was cancelled
