@@ -133,6 +133,10 @@ class SearchR1Config(GRPOConfig):
     search_timeout_s: float = knob("env", "timeout_s")
     search_max_retries: int = knob("env", "max_retries")
     search_retry_backoff_s: float = knob("env", "retry_backoff_s")
+    search_max_backoff_s: float = knob("env", "max_backoff_s")
+    search_deadline_s: float = knob("env", "deadline_s")
+    search_max_response_bytes: int = knob("env", "max_response_bytes")
+    search_max_passage_chars: int = knob("env", "max_passage_chars")
     restate_question: bool = knob("env", "restate_question")
 
     # --- rollout budgets ---

@@ -107,8 +107,7 @@ class RolloutConfig:
         default=240.0,
         metadata={
             "help": "Time budget of one environment step, in seconds. Keep it above the environment's own worst case "
-            "(Search-R1's retrieval gives up after timeout_s 60 x (1 + max_retries 2) + backoff 1.5 = 181.5 s and "
-            "answers with empty results), so a dead tool degrades the answer instead of ending rollouts as errors."
+            "(Search-R1's retrieval gives up after its deadline_s, 180 s, and answers with empty results), so a dead tool degrades the answer instead of ending rollouts as errors."
         },
     )
     enable_thinking: bool = field(
