@@ -32,10 +32,17 @@ from benchmarks.report import report
 from searchr1_trl.vllm_server import reload_weights
 
 
+def post(url: str, payload: dict) -> dict:
+    response = httpx.post(url, json=payload, timeout=300)
+    if response.status_code != 200:
+        raise RuntimeError(f"POST {url}: HTTP {response.status_code}: {response.text[:1000]}")
+    return response.json()
+
+
 def server_logprobs(url: str, model: str, sequences: list[list[int]], prompt_lengths: list[int]) -> list[list[float]]:
     """The server's logprob of every completion token (positions from each prompt's end), at temperature 1."""
     payload = {"model": model, "prompt": sequences, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-    choices = httpx.post(f"{url}/v1/completions", json=payload, timeout=300).raise_for_status().json()["choices"]
+    choices = post(f"{url}/v1/completions", payload)["choices"]
     out = []
     for choice, sequence, start in zip(choices, sequences, prompt_lengths, strict=True):
         rows = choice["prompt_logprobs"]
@@ -77,12 +84,11 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).cuda()
     served = httpx.get(f"{args.server_url}/v1/models").json()["data"][0]["id"]
     questions = pd.read_parquet(args.questions)["question"].tolist()[: args.num_prompts]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q in questions]
-    prompts = [p["input_ids"] if isinstance(p, dict) else list(p) for p in prompts]
-    greedy = httpx.post(f"{args.server_url}/v1/completions", timeout=300, json={
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                  return_dict=True)["input_ids"]) for q in questions]
+    greedy = post(f"{args.server_url}/v1/completions", {
         "model": served, "prompt": prompts, "max_tokens": args.max_tokens, "temperature": 0.0,
-        "return_token_ids": True}).raise_for_status().json()["choices"]
+        "return_token_ids": True})["choices"]
     sequences = [p + list(c["token_ids"]) for p, c in zip(prompts, greedy, strict=True)]
     lengths = [len(p) for p in prompts]
 

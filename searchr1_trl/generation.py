@@ -123,7 +123,13 @@ class VLLMServerGenerator(Generator):
         }
         url = f"{self.base_url}/v1/completions"
         async with slots:
-            response = await http.post(url, json=payload)
+            try:
+                response = await http.post(url, json=payload)
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                # A pooled connection the server closed as idle (uvicorn's keep-alive is 5 s) fails on reuse;
+                # generation is idempotent, so send it once more on a fresh connection (seen on an H200 after the
+                # NCCL push between validation and the first training rollouts).
+                response = await http.post(url, json=payload)
         if response.status_code != 200:
             raise RuntimeError(f"POST {url} failed with HTTP {response.status_code}: {response.text[:500]}")
         return _generation_from_completion(response.json(), url)
@@ -150,7 +156,8 @@ class VLLMServerGenerator(Generator):
         loop = asyncio.get_running_loop()
         if self._http is None or self._http_loop is not loop:
             # Connections and semaphores belong to the loop that made them; a new loop (another asyncio.run) gets its own.
-            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency,
+                                  keepalive_expiry=2.0)  # below the server's 5 s idle timeout
             self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
             self._slots = asyncio.Semaphore(self.max_concurrency)
             self._lookup = asyncio.Lock()

@@ -244,3 +244,44 @@ def test_vllm_http_failures_name_the_url_and_status():
 def test_vllm_generator_rejects_a_url_that_is_not_http():
     with pytest.raises(ValueError, match="base_url must be an http"):
         VLLMServerGenerator("localhost:8001")
+
+
+def test_a_request_on_a_keepalive_connection_the_server_dropped_is_sent_again():
+    """The race seen on an H200: the server closes an idle pooled connection just as the next request goes out."""
+    posts = []
+
+    class DropsSecondRequestOfEachConnection(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, so the client pools the connection
+        handled = 0
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            posts.append(body["prompt"])
+            self.handled += 1
+            if self.handled == 2:
+                self.close_connection = True  # hang up without an answer
+                return
+            payload = json.dumps({"choices": [{"token_ids": [7], "logprobs": {"token_logprobs": [-0.1]},
+                                               "finish_reason": "stop"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), DropsSecondRequestOfEachConnection)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def two_turns():
+        generator = VLLMServerGenerator(f"http://127.0.0.1:{server.server_port}", model="served")
+        try:
+            return [await generator.generate(p, SamplingParams.greedy(4)) for p in PROMPTS[:2]]
+        finally:
+            await generator.aclose()
+
+    generations = asyncio.run(two_turns())
+    server.shutdown()
+    assert [g.token_ids for g in generations] == [[7], [7]]
+    assert posts == [PROMPTS[0], PROMPTS[1], PROMPTS[1]]  # the dropped request went out once more
