@@ -4,10 +4,11 @@
 # installed into one folder and xz-compressed, and the offline assets (GGUF of the offline model, MiniLM, SQuAD-open).
 # Output: <out>/site.tar.xz.NN and <out>/assets.tar.NN, 60 MB pieces (the device tool carries 64 MiB per call).
 # On the GPU machine: bash scripts/gpu_setup.sh <folder holding the pieces>.
-#   bash scripts/gpu_bundle.sh [out=.device]
+#   bash scripts/gpu_bundle.sh [out=.device] [dir of extra wheels, e.g. deepspeed built with DS_BUILD_OPS=0 for ZeRO-3]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-.device}
+EXTRA=${2:-}
 CACHE=${SEARCHR1_CACHE:-$HOME/.cache/searchr1_trl}
 PY=${PYTHON:-.venv/bin/python}
 TAGS=()
@@ -20,7 +21,8 @@ mkdir -p "$WHEELS" "$OUT"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${TAGS[@]}" \
   -d "$WHEELS" -r requirements-gpu-lock.txt
 "$PY" -m pip install -q --no-deps --no-compile --no-index --find-links "$WHEELS" --only-binary=:all: \
-  --python-version 3.12 --implementation cp "${TAGS[@]}" --target "$STAGE/site" -r requirements-gpu-lock.txt
+  --python-version 3.12 --implementation cp "${TAGS[@]}" --target "$STAGE/site" -r requirements-gpu-lock.txt \
+  ${EXTRA:+"$EXTRA"/*.whl}
 # Not loaded by a bf16 Hopper server: FlashAttention-2 kernels (FA3 serves sm_90), the Rust front end, DeepGEMM
 # builds for other Pythons.
 rm -rf "$STAGE/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$STAGE/site/vllm/vllm-rs" \

@@ -88,6 +88,9 @@ class VLLMServer:
         return self.config.base_url
 
     def start(self) -> "VLLMServer":
+        if self.healthy():  # else the new server fails to bind while /health answers from the old one
+            raise RuntimeError(f"{self.base_url} already answers /health: another server holds port "
+                               f"{self.config.port}; stop it or choose another port")
         env = {**os.environ, **self.config.env}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gib))
         env.setdefault("HF_HUB_OFFLINE", "1" if Path(self.config.model).exists() else env.get("HF_HUB_OFFLINE", "0"))
