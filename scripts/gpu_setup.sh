@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # On a GPU machine with no package index (run from the repo root): unpack what scripts/gpu_bundle.sh packed, build
-# the offline model from its GGUF, and write the environment to source: /root/searchr1_env.sh.
+# the offline model from its GGUF (when the bundle has assets), and write the environment to source
+# ($SEARCHR1_ENV_FILE, default /root/searchr1_env.sh).
 #   bash scripts/gpu_setup.sh <folder holding site.tar.xz.NN and assets.tar.NN> && source /root/searchr1_env.sh
 set -euo pipefail
 UP=${1:?folder with the bundle pieces}
 SITE=${SEARCHR1_SITE:-/opt/searchr1_site}
 CACHE=${SEARCHR1_CACHE:-$HOME/.cache/searchr1_trl}
+ENV_FILE=${SEARCHR1_ENV_FILE:-/root/searchr1_env.sh}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$SITE" "$CACHE/wheels"
 cat "$UP"/site.tar.xz.* | xz -dc -T0 | tar x -C "$SITE"
-cat "$UP"/assets.tar.* | tar x -C "$CACHE"
-cat > /root/searchr1_env.sh <<ENV
-export PYTHONPATH=$SITE:$PWD HF_HUB_OFFLINE=1 SEARCHR1_CACHE=$CACHE PATH=$SITE/bin:\$PATH
+ASSETS=$(find "$UP" -maxdepth 1 -name 'assets.tar.*' | wc -l)
+[ "$ASSETS" = 0 ] || cat "$UP"/assets.tar.* | tar x -C "$CACHE"
+cat > "$ENV_FILE" <<ENV
+export PYTHONPATH=$SITE:$REPO HF_HUB_OFFLINE=1 SEARCHR1_CACHE=$CACHE PATH=$SITE/bin:\$PATH
 export VLLM_HOST_IP=127.0.0.1  # keeps TRL's NCCL weight-transfer rendezvous on loopback
 ENV
-source /root/searchr1_env.sh
-python3 -m searchr1_trl.assets
-python3 -c "import vllm, trl, transformers, torch; print('vllm', vllm.__version__, 'trl', trl.__version__, \
-'transformers', transformers.__version__, 'torch', torch.__version__, 'gpus', torch.cuda.device_count())"
+source "$ENV_FILE"
+[ "$ASSETS" = 0 ] || python3 -m searchr1_trl.assets
+echo "installed in $SITE:" $(ls "$SITE" | grep '\.dist-info$' | sed 's/\.dist-info$//')
+echo "environment: source $ENV_FILE"
