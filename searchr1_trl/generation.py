@@ -14,8 +14,11 @@ logprobs of the distribution the tokens were actually drawn from. Logprobs are "
 temperature and top-p, which is what ``trl vllm-serve`` returns (it starts vLLM with
 ``--logprobs-mode processed_logprobs``). ``temperature == 0`` means greedy decoding with raw logprobs.
 
-A generation ends with ``finish_reason`` ``"stop"`` (the model emitted an end-of-sequence token, which is kept as the
-last generated id) or ``"length"`` (it used all ``max_tokens``).
+A generation ends with ``finish_reason`` ``"stop"`` (the model emitted an end token, which is kept as the last
+generated id) or ``"length"`` (it used all ``max_tokens``). The end tokens are :func:`end_token_ids`: every eos the
+model's generation config names, the tokenizer's eos, and its pad token, in both backends (a model that writes one
+and goes on has left its answer: 7 of 700 greedy answers of a trained offline model held a literal
+``<|endoftext|>`` followed by more text when only ``<|im_end|>`` stopped generation).
 """
 
 from __future__ import annotations
@@ -27,6 +30,19 @@ from dataclasses import dataclass, field, replace
 import httpx
 
 FINISH_REASONS = ("stop", "length")
+
+
+def end_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """The ids that end a turn: the generation config's eos (an int or a list), the tokenizer's eos and pad tokens.
+
+    The pad token counts because a model never continues a text after padding; for Qwen2.5 it is
+    ``<|endoftext|>``, which the upstream generation config lists as an eos but the GGUF-converted offline model's
+    does not: ``[<|im_end|> 151645, <|endoftext|> 151643]`` either way.
+    """
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids = {eos} if isinstance(eos, int) else set(eos or [])
+    ids |= {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    return sorted(ids - {None})
 
 
 @dataclass(frozen=True)
@@ -85,11 +101,12 @@ class VLLMServerGenerator(Generator):
 
     ``model`` is the served model name; None asks the server (``GET /v1/models``) once. ``max_concurrency`` bounds the
     requests in flight so a huge batch of rollouts queues here rather than in thousands of open sockets.
+    ``stop_token_ids`` (:func:`end_token_ids` of the served model) end a turn besides the server's own eos.
     """
 
     def __init__(self, base_url: str, model: str | None = None,
                  max_concurrency: int = VLLMServerGeneratorConfig.max_concurrency,
-                 timeout_s: float = VLLMServerGeneratorConfig.timeout_s):
+                 timeout_s: float = VLLMServerGeneratorConfig.timeout_s, stop_token_ids: list[int] | None = None):
         url = httpx.URL(base_url)
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"base_url must be an http(s) URL such as http://127.0.0.1:8001, got {base_url!r}")
@@ -99,6 +116,7 @@ class VLLMServerGenerator(Generator):
         self.model = model
         self.max_concurrency = max_concurrency
         self.timeout_s = timeout_s
+        self.stop_token_ids = list(stop_token_ids or [])
         self._http: httpx.AsyncClient | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -120,6 +138,7 @@ class VLLMServerGenerator(Generator):
             "logprobs": 0,
             "return_token_ids": True,
             "skip_special_tokens": False,
+            "stop_token_ids": self.stop_token_ids,
         }
         url = f"{self.base_url}/v1/completions"
         async with slots:
@@ -220,9 +239,7 @@ class TransformersGenerator(Generator):
             raise ValueError(f"expected max_batch_size >= 1, got {max_batch_size}")
         self.model = model
         self.max_batch_size = max_batch_size
-        eos = model.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        self.eos_token_ids = sorted({*eos, tokenizer.eos_token_id} - {None})
+        self.eos_token_ids = end_token_ids(tokenizer, model.generation_config)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self._pending: list[_Request] = []
         self._worker: asyncio.Task | None = None

@@ -40,6 +40,7 @@ from searchr1_trl.generation import (
     TransformersGeneratorConfig,
     VLLMServerGenerator,
     VLLMServerGeneratorConfig,
+    end_token_ids,
 )
 from searchr1_trl.rollout import RolloutConfig
 from searchr1_trl.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
@@ -246,7 +247,8 @@ def build_task(args: SearchR1Config) -> SearchR1Task:
         vllm = part_config(args, "vllm_generator")
 
         def generator(model, tokenizer) -> Generator:
-            return VLLMServerGenerator(args.generator_url, **asdict(vllm))
+            stop_token_ids = end_token_ids(tokenizer, model.generation_config)
+            return VLLMServerGenerator(args.generator_url, stop_token_ids=stop_token_ids, **asdict(vllm))
     else:
         in_process = part_config(args, "transformers_generator")
 

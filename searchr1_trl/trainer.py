@@ -28,23 +28,25 @@ import os
 import shutil
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import datasets
 import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
+from tqdm.auto import tqdm
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
+from searchr1_trl import evaluation
 from searchr1_trl.data import SearchR1Dataset, SearchR1Sample
 from searchr1_trl.env import SearchR1Env
 from searchr1_trl.generation import SamplingParams
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task
 from searchr1_trl.rollout import Rollout, RolloutEngine
-from searchr1_trl.rubric import RewardExactMatch
 from searchr1_trl.vllm_server import reload_weights
 
 logger = logging.getLogger(__name__)
@@ -166,9 +168,13 @@ class SearchR1Trainer(GRPOTrainer):
                 self._loop = None
 
     def _run_rollouts(self, prompts: list[list[dict]], params: SamplingParams) -> list[Rollout]:
-        """Roll out every prompt concurrently; the in-process generator needs the full (ZeRO-3 gathered) model."""
+        """Roll out every prompt concurrently."""
+        return self._run_on_generator(self.engine.run_messages(prompts, params))
+
+    def _run_on_generator(self, coroutine):
+        """Run a coroutine that generates on the rollout loop; the in-process generator needs the full (ZeRO-3
+        gathered) model."""
         with self._event_loop() as loop:
-            coroutine = self.engine.run_messages(prompts, params)
             if self.args.generator == "transformers":
                 with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped:
                     self.engine.generator.model = unwrapped
@@ -251,29 +257,23 @@ class SearchR1Trainer(GRPOTrainer):
     # ---- validation --------------------------------------------------------------------------------------------
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Greedy rollouts over the fixed validation slice: EM overall and per data source, via the trainer's log."""
+        """The ``agent`` method of :mod:`searchr1_trl.evaluation` over the validation slice: greedy rollouts, EM
+        overall and per data source, searches and turns per rollout, status fractions, via the trainer's log."""
         self._sync_generator_weights()
         local = self.eval_samples[self.accelerator.process_index::self.accelerator.num_processes]
-        params = SamplingParams.greedy(max_tokens=self.task.sampling.max_tokens)
         start = time.perf_counter()
-        rollouts = self._run_rollouts([self.env.initial_messages(s) for s in local], params)
-        exact_match = RewardExactMatch()
-        results = [(s.data_source or "all", exact_match.correct(r.messages, s.golden_answers), r.num_tool_calls,
-                    r.num_turns, r.status.value) for s, r in zip(local, rollouts, strict=True)]
-        results = gather_object(results)
-        by_source: dict[str, list[float]] = defaultdict(list)
-        for source, em, *_ in results:
-            by_source[source].append(em)
-        n = len(results)
-        metrics = {
-            f"{metric_key_prefix}_em": sum(r[1] for r in results) / n,
-            f"{metric_key_prefix}_searches_per_rollout": sum(r[2] for r in results) / n,
-            f"{metric_key_prefix}_turns_per_rollout": sum(r[3] for r in results) / n,
-            f"{metric_key_prefix}_status_done": sum(r[4] == "done" for r in results) / n,
-            f"{metric_key_prefix}_num_samples": n,
-            f"{metric_key_prefix}_runtime": time.perf_counter() - start,
-        }
-        metrics.update({f"{metric_key_prefix}_em/{source}": sum(v) / len(v) for source, v in by_source.items()})
+        progress = tqdm(total=len(local), desc="validation rollouts", unit="rollout", leave=False,
+                        disable=not self.is_local_process_zero())
+        traces = self._run_on_generator(evaluation.run(
+            evaluation.Method("agent", self.engine), local, evaluation.greedy_params(self.task.sampling.max_tokens),
+            on_trace=lambda index, trace: progress.update(), max_concurrency=self.args.generator_max_concurrency,
+        ))
+        progress.close()
+        # Only what the summary needs crosses processes; the conversations stay where they were generated.
+        traces = gather_object([replace(trace, messages=[]) for trace in traces])
+        summary = evaluation.summarize(traces)
+        metrics = {f"{metric_key_prefix}_{key}": value for key, value in summary.items()}
+        metrics[f"{metric_key_prefix}_runtime"] = time.perf_counter() - start
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics

@@ -1,0 +1,210 @@
+"""Evaluation: greedy exact match of a policy on held-out questions, tabulated the way the Search-R1 paper does.
+
+One definition and one path, shared by the trainer's validation (:meth:`SearchR1Trainer.evaluate`) and
+``searchr1-eval``:
+
+- **EM** is :meth:`~searchr1_trl.rubric.RewardExactMatch.correct`: the SQuAD-normalised final answer is one of the
+  normalised golden answers. It is the rubric's plain EM, without the training reward's levers.
+- **Rollouts** go through the :class:`~searchr1_trl.rollout.RolloutEngine` with the recipe's budgets, greedy
+  (:func:`greedy_params`), as many at once as the generator takes; each finished one is handed to ``on_trace`` at
+  once, so a caller can write it down before the next finishes (that is what makes ``searchr1-eval`` resumable).
+
+Three methods, as in the paper's table (:data:`METHODS`); they differ only in the prompt and the tools:
+
+- ``direct``: closed-book. The question and the answer format (:data:`DIRECT_INSTRUCTION`), no tool, one turn.
+- ``rag``: retrieve-then-read. The top-k passages for the question, from the same retriever with the same top-k as
+  the agent, pasted into the prompt and followed by the answer format and the question
+  (:data:`~searchr1_trl.env.RESTATEMENT`), no tool, one turn.
+- ``agent``: the Search-R1 rollout the policy is trained on (:class:`~searchr1_trl.env.SearchR1Env`).
+
+A :class:`Trace` is one question's record: the answer, EM, each search (query and passage titles; for ``rag`` the
+one retrieval in the prompt), turns, how the rollout ended and the whole conversation. :func:`summarize` turns
+traces into EM overall and per data source, searches and turns per rollout, and the fraction of rollouts ending in
+each :class:`~searchr1_trl.rollout.RolloutStatus`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from searchr1_trl.env import (
+    QUESTION_SEPARATOR, RESTATEMENT, RetrievalClient, SearchR1Env, SearchR1EnvConfig, _query_from_arguments,
+)
+from searchr1_trl.generation import Generator, SamplingParams
+from searchr1_trl.rollout import EnvStep, MessageEnv, Rollout, RolloutConfig, RolloutEngine, RolloutStatus
+from searchr1_trl.rubric import RewardExactMatch, final_answer
+
+METHODS = ("direct", "rag", "agent")
+
+DIRECT_INSTRUCTION = (
+    "Answer the question below. Reply with only the answer: an entity or a short phrase, not a sentence and no "
+    "explanation (for example: Beijing)."
+)
+
+_TITLE = re.compile(r"^Doc \d+\(Title: (.*?)\) ", re.MULTILINE)
+
+
+def greedy_params(max_tokens_per_turn: int) -> SamplingParams:
+    """How every evaluation turn is generated: greedy, so a checkpoint has one score."""
+    return SamplingParams.greedy(max_tokens=max_tokens_per_turn)
+
+
+def exact_match(messages: Sequence[dict], golden_answers: Sequence[str]) -> bool:
+    """Whether the conversation's final answer is a golden answer (the EM of every table and log)."""
+    return RewardExactMatch().correct(messages, golden_answers)
+
+
+def passage_titles(passages: str) -> list[str]:
+    """The titles of formatted passages: ``"Doc 1(Title: Paris) The capital..."`` -> ``["Paris"]``."""
+    return _TITLE.findall(passages)
+
+
+@dataclass
+class Trace:
+    """One question answered by one method; what a JSONL trace line holds."""
+
+    question: str
+    golden_answers: list[str]
+    data_source: str
+    method: str
+    answer: str | None  # the final answer; None when the rollout ended without one
+    em: bool
+    searches: list[dict]  # [{"query": str, "titles": [str, ...]}] in order
+    num_turns: int
+    status: str  # a RolloutStatus value
+    messages: list[dict] = field(default_factory=list)
+
+
+def _searches(messages: Sequence[dict]) -> list[dict]:
+    """Each search call's query with the titles of the passages it got back, in call order.
+
+    A tool message answers the earliest unanswered call; a call cut off before its answer has no titles.
+    """
+    calls, answers = [], []
+    for message in messages:
+        if message["role"] == "assistant":
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") or {}
+                calls.append({"query": _query_from_arguments(function.get("arguments")), "titles": []})
+        elif message["role"] == "tool":
+            answers.append(passage_titles(message.get("content") or ""))
+    for call, titles in zip(calls, answers):
+        call["titles"] = titles
+    return calls
+
+
+class OneTurnEnv(MessageEnv):
+    """No tools, one turn: the first assistant message is the final answer. The prompt is the closed-book one
+    unless the caller passes its own messages (``rag``)."""
+
+    tools: list[dict] = []
+
+    def initial_messages(self, sample) -> list[dict]:
+        return [{"role": "user", "content": f"{DIRECT_INSTRUCTION}{QUESTION_SEPARATOR}{sample.question}"}]
+
+    async def step(self, messages: list[dict]) -> EnvStep:
+        return EnvStep(messages=[], done=True)
+
+
+class Method:
+    """One row kind of the table: an engine (prompt, tools, budgets) and, for ``rag``, the retrieval it reads."""
+
+    def __init__(self, name: str, engine: RolloutEngine, retrieval: RetrievalClient | None = None):
+        if name not in METHODS:
+            raise ValueError(f"method {name!r}; expected one of {', '.join(METHODS)}")
+        self.name, self.engine, self.retrieval = name, engine, retrieval
+
+    async def rollout(self, sample, params: SamplingParams) -> Rollout:
+        if self.retrieval is None:
+            return await self.engine.rollout(sample, params)
+        passages = await self.retrieval.search(sample.question)
+        prompt = f"{passages}\n\n{RESTATEMENT.format(question=sample.question)}"
+        return await self.engine.rollout(sample, params, messages=[{"role": "user", "content": prompt}])
+
+    def trace(self, sample, rollout: Rollout) -> Trace:
+        searches = _searches(rollout.messages)
+        if self.retrieval is not None:
+            searches.insert(0, {"query": sample.question, "titles": passage_titles(rollout.messages[0]["content"])})
+        return Trace(
+            question=sample.question, golden_answers=list(sample.golden_answers),
+            data_source=sample.data_source or "all", method=self.name, answer=final_answer(rollout.messages),
+            em=exact_match(rollout.messages, sample.golden_answers), searches=searches, num_turns=rollout.num_turns,
+            status=rollout.status.value, messages=rollout.messages,
+        )
+
+    async def aclose(self) -> None:
+        if self.retrieval is not None:
+            await self.retrieval.aclose()
+        close = getattr(self.engine.env, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def build_method(name: str, tokenizer, generator: Generator, env_config: SearchR1EnvConfig,
+                 rollout_config: RolloutConfig) -> Method:
+    """The method ``name`` on ``generator``; ``direct`` and ``rag`` get one turn of ``rollout_config``'s budgets."""
+    if name == "agent":
+        return Method(name, RolloutEngine(tokenizer, generator, SearchR1Env(env_config), rollout_config))
+    one_turn = RolloutConfig(**{**vars(rollout_config), "max_turns": 1})
+    retrieval = RetrievalClient(env_config) if name == "rag" else None
+    return Method(name, RolloutEngine(tokenizer, generator, OneTurnEnv(), one_turn), retrieval)
+
+
+async def run(method: Method, samples: Sequence, params: SamplingParams,
+              on_trace: Callable[[int, Trace], None] | None = None, max_concurrency: int = 256) -> list[Trace]:
+    """Every sample's trace, in input order; ``on_trace(index, trace)`` is called as each one finishes.
+
+    At most ``max_concurrency`` rollouts are in flight, so a long sample starts its first rollouts at once and
+    finished traces arrive from the first minutes on, instead of all at the end.
+    """
+    if max_concurrency < 1:
+        raise ValueError(f"expected max_concurrency >= 1, got {max_concurrency}")
+    slots = asyncio.Semaphore(max_concurrency)
+    traces: list[Trace | None] = [None] * len(samples)
+
+    async def one(index: int, sample) -> None:
+        async with slots:
+            rollout = await method.rollout(sample, params)
+        traces[index] = method.trace(sample, rollout)
+        if on_trace is not None:
+            on_trace(index, traces[index])
+
+    tasks = [asyncio.ensure_future(one(i, s)) for i, s in enumerate(samples)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:  # after a failure, cancel the rest rather than leak them
+            task.cancel()
+    return traces
+
+
+def summarize(traces: Sequence[Trace]) -> dict[str, float]:
+    """EM overall and per data source (``em/<source>``), searches and turns per rollout, status fractions.
+
+    ``em`` is over all traces (micro); a table's average over data sources is :func:`macro_average`.
+    """
+    if not traces:
+        raise ValueError("no traces to summarize")
+    n = len(traces)
+    by_source: dict[str, list[bool]] = defaultdict(list)
+    for trace in traces:
+        by_source[trace.data_source].append(trace.em)
+    metrics = {
+        "em": sum(t.em for t in traces) / n,
+        "searches_per_rollout": sum(len(t.searches) for t in traces) / n,
+        "turns_per_rollout": sum(t.num_turns for t in traces) / n,
+        **{f"status_{s.value}": sum(t.status == s.value for t in traces) / n for s in RolloutStatus},
+        "num_samples": n,
+    }
+    metrics.update({f"em/{source}": sum(v) / len(v) for source, v in sorted(by_source.items())})
+    return metrics
+
+
+def macro_average(metrics: dict[str, float]) -> float:
+    """The mean of the per-source EMs, the paper's "Avg." column (each data source weighs the same)."""
+    per_source = [value for key, value in metrics.items() if key.startswith("em/")]
+    return sum(per_source) / len(per_source)

@@ -1,0 +1,114 @@
+"""Evaluation: the three methods' prompts and traces, the summary, and validation as the same path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from searchr1_trl import evaluation
+from searchr1_trl.data import SearchR1Sample
+from searchr1_trl.env import RESTATEMENT, SearchR1EnvConfig
+from searchr1_trl.generation import Generation, Generator
+from searchr1_trl.rollout import RolloutConfig
+
+QUESTION = SearchR1Sample("Which NFL team represented the AFC at Super Bowl 50?", ("Denver Broncos",), "squad")
+
+
+class ScriptedGenerator(Generator):
+    """A policy that searches for the question when it has the tool, then answers; its answer is "Denver Broncos"
+    when the prompt holds passages, "Carolina Panthers" when it answers from memory. Records every prompt."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.prompts: list[str] = []
+
+    async def generate(self, prompt_ids, params) -> Generation:
+        prompt = self.tokenizer.decode(prompt_ids)
+        self.prompts.append(prompt)
+        last_turn = prompt.rsplit("<|im_start|>", 2)[-2]
+        if "Doc 1(Title:" in last_turn:
+            text = "Denver Broncos"
+        elif '"name": "search"' in prompt:
+            text = '<tool_call>\n{"name": "search", "arguments": {"query": "Super Bowl 50 AFC"}}\n</tool_call>'
+        else:
+            text = "Carolina Panthers"
+        ids = self.tokenizer.encode(text) + [self.tokenizer.eos_token_id]
+        return Generation(ids, [0.0] * len(ids), "stop")
+
+
+def trace_of(method_name, tokenizer, retriever_url) -> tuple[evaluation.Trace, list[str]]:
+    generator = ScriptedGenerator(tokenizer)
+    method = evaluation.build_method(method_name, tokenizer, generator, SearchR1EnvConfig(search_url=retriever_url),
+                                     RolloutConfig(max_turns=3))
+
+    async def main():
+        try:
+            return await evaluation.run(method, [QUESTION], evaluation.greedy_params(64))
+        finally:
+            await method.aclose()
+
+    [trace] = asyncio.run(main())
+    return trace, generator.prompts
+
+
+def test_direct_is_one_closed_book_turn_without_the_search_tool(tokenizer, retriever_url):
+    trace, prompts = trace_of("direct", tokenizer, retriever_url)
+    assert len(prompts) == 1 and '"name": "search"' not in prompts[0] and "Doc 1" not in prompts[0]
+    assert evaluation.DIRECT_INSTRUCTION in prompts[0] and QUESTION.question in prompts[0]
+    assert (trace.answer, trace.em, trace.searches, trace.num_turns, trace.status) == (
+        "Carolina Panthers", False, [], 1, "done")
+
+
+def test_rag_pastes_the_questions_passages_then_the_restatement_and_answers_in_one_turn(tokenizer, retriever_url):
+    trace, prompts = trace_of("rag", tokenizer, retriever_url)
+    assert len(prompts) == 1 and '"name": "search"' not in prompts[0]
+    assert prompts[0].index("Doc 1(Title:") < prompts[0].index(RESTATEMENT.format(question=QUESTION.question))
+    assert (trace.answer, trace.em, trace.num_turns, trace.status) == ("Denver Broncos", True, 1, "done")
+    [search] = trace.searches
+    assert search["query"] == QUESTION.question and search["titles"][0] == "Super Bowl 50"
+
+
+def test_agent_searches_with_its_own_query_and_records_the_passage_titles(tokenizer, retriever_url):
+    trace, prompts = trace_of("agent", tokenizer, retriever_url)
+    assert len(prompts) == 2 and '"name": "search"' in prompts[0]
+    assert (trace.answer, trace.em, trace.num_turns, trace.status) == ("Denver Broncos", True, 2, "done")
+    [search] = trace.searches
+    assert search["query"] == "Super Bowl 50 AFC" and len(search["titles"]) == 3
+    assert json.loads(json.dumps(trace.messages)) == trace.messages, "a trace is JSON as it is"
+
+
+def trace(source, em, searches=0, status="done") -> evaluation.Trace:
+    return evaluation.Trace("q", ["a"], source, "agent", "a" if em else "b", em,
+                            [{"query": "q", "titles": []}] * searches, 1 + searches, status)
+
+
+def test_summary_gives_em_overall_and_per_source_searches_and_status_fractions():
+    traces = [trace("nq", True, 1), trace("nq", False, 2, "truncated_max_turns"), trace("hotpotqa", True, 1),
+              trace("hotpotqa", True, 0), trace("hotpotqa", False, 0, "error_parse")]
+    summary = evaluation.summarize(traces)
+    assert summary["em"] == pytest.approx(3 / 5)
+    assert (summary["em/nq"], summary["em/hotpotqa"]) == (pytest.approx(1 / 2), pytest.approx(2 / 3))
+    assert evaluation.macro_average(summary) == pytest.approx((1 / 2 + 2 / 3) / 2)
+    assert summary["searches_per_rollout"] == pytest.approx(4 / 5)
+    assert (summary["status_done"], summary["status_truncated_max_turns"], summary["status_error_parse"]) == (
+        pytest.approx(3 / 5), pytest.approx(1 / 5), pytest.approx(1 / 5))
+    assert summary["num_samples"] == 5
+
+
+def test_passage_titles_keep_parentheses_inside_a_title():
+    passages = "Doc 1(Title: Queen (band)) A British rock band.\nDoc 2(Title: Paris) The capital."
+    assert evaluation.passage_titles(passages) == ["Queen (band)", "Paris"]
+
+
+def test_run_hands_over_each_trace_as_it_finishes_and_returns_them_in_input_order(tokenizer, retriever_url):
+    generator = ScriptedGenerator(tokenizer)
+    method = evaluation.build_method("direct", tokenizer, generator, SearchR1EnvConfig(search_url=retriever_url),
+                                     RolloutConfig())
+    samples = [SearchR1Sample(f"Question {i}?", ("x",), "squad") for i in range(5)]
+    seen = []
+    traces = asyncio.run(evaluation.run(method, samples, evaluation.greedy_params(8),
+                                        on_trace=lambda i, t: seen.append((i, t.question)), max_concurrency=2))
+    assert [t.question for t in traces] == [s.question for s in samples]
+    assert sorted(seen) == [(i, s.question) for i, s in enumerate(samples)]
