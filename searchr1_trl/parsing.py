@@ -8,7 +8,8 @@ to None as ``ERROR_PARSE``. A message is ``{"role": "assistant", "content": str}
 
 1. **The tokenizer's response parser**, with TRL's response schema for the chat templates TRL knows (Qwen2.5/3,
    Llama 3, ...), set on the tokenizer as ``GRPOTrainer`` does. Tool-call JSON it cannot read is a parse failure.
-   A turn ended by a special token other than eos (Qwen's ``<|endoftext|>``) is parsed without it.
+   Special tokens other than a final eos are dropped first (a turn ended by Qwen's ``<|endoftext|>``, a
+   ``<|fim_middle|>`` written mid-answer), so no message content ever holds one.
 2. **Hermes ``<tool_call>`` blocks** (:func:`parse_tool_call_blocks`) on the decoded text, for templates neither
    transformers nor TRL knows. An unclosed block or one that is not a JSON object is a parse failure.
 3. **Bare JSON calls** (opt-in, ``bare_json_tool_calls``), applied to a message the first two read without tool
@@ -58,9 +59,13 @@ def _template_parser(tokenizer, tools: list[dict]) -> Parser:
         except ValueError:
             return lambda ids, prefix: parse_tool_call_blocks(tokenizer.decode(ids, skip_special_tokens=True))
 
+    special = _special_token_ids(tokenizer)
+
     def parse(ids: list[int], prefix: list[int]) -> dict | None:
-        if ids and ids[-1] != tokenizer.eos_token_id and ids[-1] in tokenizer.all_special_ids:
-            ids = ids[:-1]  # another stop token (Qwen's <|endoftext|>): the parser would keep it as content
+        # The parser would keep special tokens as text: drop all but a final eos (a turn ended by another stop
+        # token, Qwen's <|endoftext|>, or a <|fim_middle|> written mid-answer), so no answer ever holds one.
+        end = ids[-1:] if ids and ids[-1] == tokenizer.eos_token_id else []
+        ids = [i for i in ids[: len(ids) - len(end)] if i not in special] + end
         try:
             parsed = tokenizer.parse_response(ids, prefix=prefix, tools=tools or None)
         except ValueError:  # the parser's way of saying a tool call is not valid JSON
@@ -68,6 +73,13 @@ def _template_parser(tokenizer, tools: list[dict]) -> Parser:
         return _assistant_message(parsed)
 
     return parse
+
+
+def _special_token_ids(tokenizer) -> set[int]:
+    """Ids of the tokenizer's special tokens, its added ones marked special included (Qwen2.5's ``<|im_start|>``,
+    ``<|fim_middle|>``, ...; not ``<tool_call>``, which is an added token the parser reads)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return set(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
 
 
 def _assistant_message(parsed: Any) -> dict | None:

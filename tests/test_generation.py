@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from searchr1_trl.generation import SamplingParams, TransformersGenerator, VLLMServerGenerator
+from searchr1_trl.generation import SamplingParams, TransformersGenerator, VLLMServerGenerator, end_token_ids
 
 from conftest import free_port
 
@@ -160,6 +160,18 @@ def test_generation_stops_at_an_eos_token_and_keeps_it_as_finish_reason_stop(tin
     assert stopped.logprobs == pytest.approx(free.logprobs[: len(stopped.token_ids)], abs=1e-4)
 
 
+def test_a_turn_ends_at_every_eos_the_generation_config_names_and_the_tokenizers_eos_and_pad(tiny):
+    from transformers import GenerationConfig
+
+    model, tokenizer = tiny
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    # The offline model's generation config names only <|im_end|>; <|endoftext|> is its pad token.
+    assert end_token_ids(tokenizer, GenerationConfig(eos_token_id=im_end)) == sorted([im_end, endoftext])
+    assert end_token_ids(tokenizer, GenerationConfig(eos_token_id=[7, im_end])) == sorted([7, im_end, endoftext])
+    assert end_token_ids(tokenizer) == sorted([im_end, endoftext])
+    assert TransformersGenerator(model, tokenizer).eos_token_ids == sorted([im_end, endoftext])
+
+
 def test_sampling_params_validate_and_greedy_means_temperature_zero():
     assert SamplingParams.greedy(max_tokens=7) == SamplingParams(temperature=0.0, top_p=1.0, max_tokens=7)
     with pytest.raises(ValueError, match="max_tokens >= 1"):
@@ -204,9 +216,9 @@ class FakeCompletionsServer:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def vllm_generate(url, prompts, model=None):
+def vllm_generate(url, prompts, model=None, stop_token_ids=None):
     async def main():
-        generator = VLLMServerGenerator(url, model=model)
+        generator = VLLMServerGenerator(url, model=model, stop_token_ids=stop_token_ids)
         try:
             return await asyncio.gather(*(generator.generate(p, SamplingParams(0.7, 0.9, 4)) for p in prompts))
         finally:
@@ -218,7 +230,7 @@ def vllm_generate(url, prompts, model=None):
 def test_vllm_client_sends_token_ids_and_reads_token_ids_logprobs_and_finish_reason():
     fake = FakeCompletionsServer(200)
 
-    generations = vllm_generate(fake.url, PROMPTS)
+    generations = vllm_generate(fake.url, PROMPTS, stop_token_ids=[151643, 151645])
 
     assert [g.token_ids for g in generations] == [p[-2:] for p in PROMPTS]
     assert all(g.logprobs == [-0.5, -0.5] and g.finish_reason == "stop" for g in generations)
@@ -228,6 +240,7 @@ def test_vllm_client_sends_token_ids_and_reads_token_ids_logprobs_and_finish_rea
     assert sorted(p["prompt"] for p in posts) == sorted(PROMPTS)
     assert {(p["model"], p["max_tokens"], p["temperature"], p["top_p"], p["top_k"], p["return_token_ids"])
             for p in posts} == {("served", 4, 0.7, 0.9, 0, True)}
+    assert all(p["stop_token_ids"] == [151643, 151645] for p in posts)
     fake.server.shutdown()
 
 

@@ -55,6 +55,12 @@ def test_a_turn_ended_by_another_stop_token_is_parsed_without_it(parse):
     assert parse("Paris<|endoftext|>") == {"role": "assistant", "content": "Paris"}
 
 
+def test_special_tokens_written_mid_answer_never_reach_the_content(parse):
+    assert parse("Par<|fim_middle|>is<|im_start|><|im_end|>") == {"role": "assistant", "content": "Paris"}
+    turn = '<|box_start|><tool_call>\n{"name": "lookup", "arguments": {"query": "a"}}\n</tool_call><|endoftext|>'
+    assert parse(turn) == {"role": "assistant", "content": "", "tool_calls": [lookup("a")]}
+
+
 def test_thinking_is_kept_out_of_the_content(parse):
     assert parse("<think>\nIt is Paris.\n</think>\n\nParis<|im_end|>") == {
         "role": "assistant", "content": "Paris", "reasoning_content": "It is Paris."}

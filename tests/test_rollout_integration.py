@@ -120,3 +120,25 @@ def test_vllm_generator_returns_stop_with_the_eos_kept_or_length_at_max_tokens(v
     assert full.finish_reason == "stop" and full.token_ids[-1] == tokenizer.eos_token_id
     assert len(full.logprobs) == len(full.token_ids)
     assert (cut.finish_reason, cut.token_ids) == ("length", full.token_ids[:1])
+
+
+def test_vllm_generator_ends_a_turn_at_a_stop_token_id_and_keeps_it(vllm_server, tokenizer):
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Reply with one word: the capital of France."}],
+        add_generation_prompt=True, tokenize=True, return_dict=False,
+    )
+
+    async def generate(stop_token_ids):
+        generator = VLLMServerGenerator(vllm_server.base_url, stop_token_ids=stop_token_ids)
+        try:
+            return await generator.generate(prompt, SamplingParams.greedy(max_tokens=32))
+        finally:
+            await generator.aclose()
+
+    full = asyncio.run(generate(None))
+    first = full.token_ids[0]
+    assert full.token_ids[-1] == tokenizer.eos_token_id and len(full.token_ids) > 1
+    # Any id the caller names ends the turn like an eos: here the first word's own token.
+    stopped = asyncio.run(generate([first]))
+    assert (stopped.finish_reason, stopped.token_ids) == ("stop", [first])
+    assert len(stopped.logprobs) == 1

@@ -1,0 +1,348 @@
+"""searchr1-eval: EM of checkpoints x methods on seeded question samples, as a Search-R1 paper table.
+
+    searchr1-eval --checkpoints <folder or Hub id> [...] --data <parquet or Hub dataset[:file]> [...] \\
+        --methods direct rag agent --num_samples 500 --sample_seed 0 \\
+        --search_url http://127.0.0.1:8000/retrieve --generator vllm --vllm_server_base_url http://127.0.0.1:8001 \\
+        --output_dir runs/eval
+    searchr1-eval --config eval.yaml --num_samples 32     # every field from a YAML, the command line overrides
+
+Methods (searchr1_trl/evaluation.py): ``direct`` answers closed-book, ``rag`` reads the top-k passages for the question
+pasted into its prompt (one turn), ``agent`` is the multi-turn search rollout the policy is trained on; all greedy,
+with the same retriever, top-k and budgets. Give the agent the env and rollout settings it was trained with
+(``--restate_question``, ``--bare_json_tool_calls``, ``--max_turns``, ``--topk``, ``--max_tokens_per_turn``).
+
+Questions: from each data file, each ``data_source`` separately, a seeded random sample of ``num_samples`` rows
+(the first ``num_samples`` of one seeded permutation, so a larger sample extends a smaller one), not the first rows.
+
+Writes to ``output_dir``: ``traces.jsonl`` (one line per question x method x checkpoint: answer, EM, each search's
+query and passage titles, status, the conversation), ``results.json`` (per row: EM per data source and their
+average, searches and turns per rollout, status fractions) and ``results.md`` (the table: rows method x
+checkpoint, columns data sources + average). Every finished trace is on disk at once: rerun the same command after
+a crash and only the missing ones are generated. The table holds every checkpoint evaluated into ``output_dir`` on
+this sample, so checkpoints served one at a time (one vLLM server each) end up in one table.
+
+Generators: ``vllm`` posts to a running ``trl vllm-serve`` that serves the checkpoint (one checkpoint per URL in
+``vllm_server_base_url``); ``transformers`` loads each checkpoint in-process (GPU if there is one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import httpx
+
+from searchr1_trl import evaluation
+from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
+from searchr1_trl.env import SearchR1EnvConfig
+from searchr1_trl.rollout import RolloutConfig
+
+logger = logging.getLogger("searchr1-eval")
+
+TRACES_FILE, RESULTS_JSON, RESULTS_MD = "traces.jsonl", "results.json", "results.md"
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate and where the results go; the env (retrieval) and rollout budgets are their own configs."""
+
+    checkpoints: list[str] = field(
+        default_factory=list, metadata={"help": "Model folders or Hub ids; one table row per method x checkpoint."})
+    data: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Question files: local parquet, or a Hub dataset `repo_id` (its test.parquet) or "
+                          "`repo_id:file.parquet`; columns question, golden_answers (and data_source)."})
+    data_sources: list[str] | None = field(
+        default=None, metadata={"help": "Keep only these data_source values (default: every one in the files)."})
+    num_samples: int = field(default=500, metadata={"help": "Questions per data source (all when fewer)."})
+    sample_seed: int = field(default=0, metadata={"help": "Seed of the random sample of each data source."})
+    methods: list[str] = field(
+        default_factory=lambda: list(evaluation.METHODS),
+        metadata={"help": f"Any of {', '.join(evaluation.METHODS)}."})
+    generator: str = field(
+        default="vllm",
+        metadata={"help": "`vllm`: a running `trl vllm-serve` per checkpoint; `transformers`: in-process."})
+    vllm_server_base_url: list[str] = field(
+        default_factory=lambda: ["http://127.0.0.1:8001"],
+        metadata={"help": "With generator=vllm: the server of each checkpoint, in the order of `checkpoints`."})
+    max_tokens_per_turn: int = field(default=512, metadata={"help": "Generated tokens per assistant turn."})
+    max_concurrency: int = field(default=256, metadata={"help": "Rollouts in flight at once."})
+    dtype: str = field(
+        default="auto", metadata={"help": "With generator=transformers: weight dtype (auto: bfloat16 on GPU, "
+                                          "float32 on CPU)."})
+    output_dir: str = field(default="runs/eval", metadata={"help": "Where traces and results are written."})
+
+    def __post_init__(self):
+        unknown = [m for m in self.methods if m not in evaluation.METHODS]
+        if unknown:
+            raise ValueError(f"methods {unknown}; expected any of {', '.join(evaluation.METHODS)}")
+        if self.generator not in ("vllm", "transformers"):
+            raise ValueError(f"generator={self.generator!r}; expected 'vllm' or 'transformers'")
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples={self.num_samples}; expected >= 1")
+
+
+# ---- questions -------------------------------------------------------------------------------------------------
+
+
+def _local_file(data: str) -> str:
+    """A data entry as a local parquet: the path itself, or the Hub dataset file (downloaded once, then cached)."""
+    if Path(data).expanduser().exists():
+        return str(Path(data).expanduser())
+    repo_id, _, filename = data.partition(":")
+    if repo_id.count("/") != 1:
+        raise ValueError(f"data {data!r} is neither a local file nor a Hub dataset `owner/name[:file.parquet]`")
+    import huggingface_hub
+
+    return huggingface_hub.hf_hub_download(repo_id, filename or "test.parquet", repo_type="dataset")
+
+
+def load_questions(config: EvalConfig) -> list[tuple[str, SearchR1Sample]]:
+    """``(key, sample)`` for every question to ask: per file and data source, the seeded sample of
+    :meth:`SearchR1Dataset.take`. A key names the file, the source and the position in the sample."""
+    questions = []
+    for data in config.data:
+        path = _local_file(data)
+        rows = load_samples(path)
+        sources = sorted({s.data_source for s in rows}, key=str)
+        for source in sources:
+            if config.data_sources is not None and source not in config.data_sources:
+                continue
+            stream = SearchR1Dataset(SearchR1DatasetConfig(data_path=path, data_source=source, shuffle=True,
+                                                           seed=config.sample_seed))
+            label = source or Path(path).stem
+            for position, sample in enumerate(stream.take(config.num_samples)):
+                questions.append((f"{data}|{label}|{position}", replace(sample, data_source=label)))
+    if not questions:
+        raise ValueError(f"no questions in {config.data} for data_sources={config.data_sources}")
+    return questions
+
+
+# ---- traces on disk --------------------------------------------------------------------------------------------
+
+
+class TraceFile:
+    """``traces.jsonl``: one JSON line per finished trace, flushed to disk as it arrives.
+
+    Opening it drops a last line cut short by a crash (the only line a kill can damage), so a rerun appends after
+    the traces that were complete.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: dict[tuple[str, str, str], dict] = {}
+        if path.exists():
+            text = path.read_text()
+            complete = text[: text.rfind("\n") + 1]
+            if len(complete) < len(text):
+                logger.warning("%s: dropping an incomplete last line (%d bytes) left by a crash", path,
+                               len(text) - len(complete))
+                with path.open("r+") as f:
+                    f.truncate(len(complete.encode()))
+            for line in complete.splitlines():
+                record = json.loads(line)
+                self.records[(record["checkpoint"], record["method"], record["key"])] = record
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a")
+
+    def add(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.records[(record["checkpoint"], record["method"], record["key"])] = record
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# ---- generation ------------------------------------------------------------------------------------------------
+
+
+def _served_model(base_url: str) -> str:
+    response = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=10.0)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def _same_model(served: str, checkpoint: str) -> bool:
+    if served == checkpoint:
+        return True
+    return Path(served).expanduser().exists() and Path(served).expanduser().resolve() == Path(
+        checkpoint).expanduser().resolve()
+
+
+def make_generator(config: EvalConfig, checkpoint: str, index: int, tokenizer):
+    """The generator of one checkpoint; for ``vllm``, after checking that its server serves that checkpoint."""
+    from transformers import GenerationConfig
+
+    from searchr1_trl.generation import TransformersGenerator, VLLMServerGenerator, end_token_ids
+
+    if config.generator == "vllm":
+        urls = config.vllm_server_base_url
+        if len(urls) != len(config.checkpoints):
+            raise ValueError(f"generator=vllm serves one model per server: give one vllm_server_base_url per "
+                             f"checkpoint ({len(config.checkpoints)}), got {len(urls)}; or use generator=transformers")
+        try:
+            served = _served_model(urls[index])
+        except httpx.HTTPError as error:
+            raise ValueError(f"vLLM server not reachable at {urls[index]} ({error!r}): start `trl vllm-serve "
+                             f"--model {checkpoint}` there or fix vllm_server_base_url") from None
+        if not _same_model(served, checkpoint):
+            raise ValueError(f"the vLLM server at {urls[index]} serves {served!r}, not checkpoint {checkpoint!r}")
+        try:
+            generation_config = GenerationConfig.from_pretrained(checkpoint)
+        except OSError:
+            generation_config = None
+        return VLLMServerGenerator(urls[index], max_concurrency=config.max_concurrency,
+                                   stop_token_ids=end_token_ids(tokenizer, generation_config))
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+    return TransformersGenerator(model, tokenizer, max_batch_size=min(config.max_concurrency, 64))
+
+
+# ---- the table -------------------------------------------------------------------------------------------------
+
+
+def results(records: list[dict], methods: list[str]) -> list[dict]:
+    """One result per (method, checkpoint) that has traces, methods in the order given, checkpoints as first seen."""
+    groups: dict[tuple[str, str], list[evaluation.Trace]] = defaultdict(list)
+    for record in records:
+        trace = evaluation.Trace(**{k: record[k] for k in evaluation.Trace.__dataclass_fields__ if k in record})
+        groups[(record["method"], record["checkpoint"])].append(trace)
+    checkpoints = list(dict.fromkeys(record["checkpoint"] for record in records))
+    rows = []
+    for method in methods:
+        for checkpoint in checkpoints:
+            if (method, checkpoint) not in groups:
+                continue
+            summary = evaluation.summarize(groups[(method, checkpoint)])
+            rows.append({
+                "method": method, "checkpoint": checkpoint,
+                "em": {k.removeprefix("em/"): v for k, v in summary.items() if k.startswith("em/")},
+                "average": evaluation.macro_average(summary),
+                "searches_per_rollout": summary["searches_per_rollout"],
+                "turns_per_rollout": summary["turns_per_rollout"],
+                "status": {k.removeprefix("status_"): v for k, v in summary.items() if k.startswith("status_")},
+                "num_samples": summary["num_samples"],
+            })
+    return rows
+
+
+def markdown_table(rows: list[dict], per_source: dict[str, int]) -> str:
+    """Rows method x checkpoint, columns the data sources and their average (EM, 3 decimals)."""
+    sources = sorted(per_source)
+    header = ["method", "checkpoint", *(f"{s} (n={per_source[s]})" for s in sources), "average",
+              "searches / rollout"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for row in rows:
+        cells = [row["method"], f"`{row['checkpoint']}`", *(f"{row['em'].get(s, float('nan')):.3f}" for s in sources),
+                 f"**{row['average']:.3f}**", f"{row['searches_per_rollout']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+
+
+def trace_record(key: str, checkpoint: str, trace: evaluation.Trace) -> dict:
+    return {"key": key, "checkpoint": checkpoint, **asdict(trace)}
+
+
+async def _evaluate_checkpoint(config: EvalConfig, env_config: SearchR1EnvConfig, rollout_config: RolloutConfig,
+                               index: int, pending: dict[str, list[tuple[str, SearchR1Sample]]], total: int,
+                               traces: TraceFile) -> None:
+    """The missing traces of one checkpoint, method after method, each written as soon as it is finished."""
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+
+    checkpoint = config.checkpoints[index]
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    generator = make_generator(config, checkpoint, index, tokenizer)
+    params = evaluation.greedy_params(config.max_tokens_per_turn)
+    try:
+        for name, todo in pending.items():
+            if not todo:
+                continue
+            method = evaluation.build_method(name, tokenizer, generator, env_config, rollout_config)
+            progress = tqdm(total=total, initial=total - len(todo), unit="question", dynamic_ncols=True,
+                            desc=f"{name} {Path(checkpoint).name}")
+
+            def write(i: int, trace: evaluation.Trace, todo=todo, progress=progress) -> None:
+                traces.add(trace_record(todo[i][0], checkpoint, trace))
+                progress.update()
+
+            try:
+                await evaluation.run(method, [s for _, s in todo], params, on_trace=write,
+                                     max_concurrency=config.max_concurrency)
+            finally:
+                progress.close()
+                await method.aclose()
+    finally:
+        await generator.aclose()
+
+
+def evaluate(config: EvalConfig, env_config: SearchR1EnvConfig, rollout_config: RolloutConfig) -> list[dict]:
+    """Generate every missing trace, then write results.json and results.md; returns the table rows."""
+    questions = load_questions(config)
+    per_source: dict[str, int] = defaultdict(int)
+    for _, sample in questions:
+        per_source[sample.data_source] += 1
+    out = Path(config.output_dir)
+    traces = TraceFile(out / TRACES_FILE)
+    try:
+        for index, checkpoint in enumerate(config.checkpoints):
+            pending = {m: [(k, s) for k, s in questions if (checkpoint, m, k) not in traces.records]
+                       for m in config.methods}
+            if not any(pending.values()):
+                logger.info("%s: every trace is already in %s", checkpoint, traces.path)
+                continue
+            asyncio.run(_evaluate_checkpoint(config, env_config, rollout_config, index, pending, len(questions),
+                                             traces))
+    finally:
+        traces.close()
+    keys = {key for key, _ in questions}
+    records = [r for r in traces.records.values() if r["key"] in keys]
+    rows = results(records, config.methods)
+    (out / RESULTS_JSON).write_text(json.dumps({
+        "config": asdict(config), "env": asdict(env_config), "rollout": asdict(rollout_config),
+        "num_samples_per_source": dict(per_source), "results": rows,
+    }, indent=2))
+    (out / RESULTS_MD).write_text(markdown_table(rows, dict(per_source)))
+    return rows
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each flag, the description as written."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    from trl import TrlParser
+
+    parser = TrlParser((EvalConfig, SearchR1EnvConfig, RolloutConfig), description=__doc__,
+                       formatter_class=_HelpFormatter, prog="searchr1-eval")
+    logging.basicConfig(level=logging.INFO, format="[searchr1-eval] %(message)s")
+    try:
+        config, env_config, rollout_config = parser.parse_args_and_config(args=argv)
+        if not config.checkpoints or not config.data:
+            raise ValueError("give --checkpoints and --data (see --help)")
+        rows = evaluate(config, env_config, rollout_config)
+    except ValueError as error:
+        sys.exit(f"error: {error}")
+    out = Path(config.output_dir)
+    print((out / RESULTS_MD).read_text(), end="")
+    print(f"{len(rows)} rows; traces, JSON and table in {out}")
+
+
+if __name__ == "__main__":
+    main()

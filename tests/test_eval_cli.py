@@ -1,0 +1,126 @@
+"""searchr1-eval: the seeded sample, the table and JSON, traces that survive a crash, the real vLLM server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from searchr1_trl.cli import eval as eval_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def two_source_questions(squad_dev_sample, tmp_path_factory) -> str:
+    """The test corpus's SQuAD dev questions under two data sources (by article parity), as a parquet."""
+    _, questions = squad_dev_sample
+    titles = list(dict.fromkeys(questions["title"]))
+    questions = questions.assign(data_source=["squad_even" if titles.index(t) % 2 == 0 else "squad_odd"
+                                              for t in questions["title"]])
+    path = tmp_path_factory.mktemp("eval_questions") / "questions.parquet"
+    questions.to_parquet(path, index=False)
+    return str(path)
+
+
+def eval_args(checkpoint, data, output_dir, *extra) -> list[str]:
+    return ["--checkpoints", str(checkpoint), "--data", data, "--output_dir", str(output_dir),
+            "--max_tokens_per_turn", "8", *extra]
+
+
+def test_the_sample_is_seeded_random_across_articles_and_a_larger_one_extends_a_smaller(offline_assets):
+    def sample(n, seed=0):
+        config = eval_cli.EvalConfig(checkpoints=["m"], data=[offline_assets.test_questions], num_samples=n,
+                                     sample_seed=seed)
+        return [s.question for _, s in eval_cli.load_questions(config)]
+
+    test = pd.read_parquet(offline_assets.test_questions)
+    titles = dict(zip(test["question"], test["title"]))
+    twenty_four = sample(24)
+    assert len({titles[q] for q in twenty_four}) >= 10, "spread over articles, not the file's first one"
+    assert twenty_four == sample(24) and sample(48)[:24] == twenty_four
+    assert sample(24, seed=1) != twenty_four
+
+
+def test_eval_writes_a_table_per_method_and_source_json_and_one_trace_per_question(tiny_model_dir,
+                                                                                   two_source_questions,
+                                                                                   retriever_url, tmp_path):
+    out = tmp_path / "eval"
+    eval_cli.main(eval_args(tiny_model_dir, two_source_questions, out, "--num_samples", "2", "--generator",
+                            "transformers", "--search_url", retriever_url, "--max_turns", "2"))
+
+    traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
+    assert len(traces) == 3 * 2 * 2  # methods x sources x questions
+    assert {(t["method"], t["data_source"]) for t in traces} == {
+        (m, s) for m in ("direct", "rag", "agent") for s in ("squad_even", "squad_odd")}
+    assert all(t["searches"][0]["titles"] for t in traces if t["method"] == "rag")
+    table = (out / "results.md").read_text().splitlines()
+    assert table[0] == ("| method | checkpoint | squad_even (n=2) | squad_odd (n=2) | average | searches / rollout |")
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| direct", "| rag", "| agent"]
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert set(rows[0]) >= {"em", "average", "searches_per_rollout", "turns_per_rollout", "status", "num_samples"}
+    assert rows[1]["searches_per_rollout"] == 1.0 and rows[0]["searches_per_rollout"] == 0.0
+
+
+def test_a_killed_evaluation_keeps_every_finished_trace_and_the_rerun_adds_only_the_missing(tiny_model_dir,
+                                                                                         two_source_questions,
+                                                                                         tmp_path):
+    out = tmp_path / "eval"
+    command = [sys.executable, "-m", "searchr1_trl.cli.eval",
+               *eval_args(tiny_model_dir, two_source_questions, out, "--num_samples", "20", "--methods", "direct",
+                          "--generator", "transformers", "--max_concurrency", "1")]
+    traces = out / "traces.jsonl"
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    while process.poll() is None and (not traces.exists() or traces.read_text().count("\n") < 3):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    finished = traces.read_text()
+    assert 3 <= finished.count("\n") < 40, "killed in the middle"
+    with traces.open("a") as f:
+        f.write('{"key": "a line cut short by the crash')
+
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    after = traces.read_text()
+    assert after.startswith(finished), "the finished traces are kept as they were"
+    keys = [json.loads(line)["key"] for line in after.splitlines()]
+    assert len(keys) == len(set(keys)) == 40
+    print(f"killed after {finished.count(chr(10))} of 40 traces; the rerun added {40 - finished.count(chr(10))}")
+
+
+@pytest.mark.slow
+def test_eval_through_the_real_vllm_server_checks_the_served_model(offline_assets, vllm_server,
+                                                                   two_source_questions, retriever_url, tmp_path,
+                                                                   tiny_model_dir):
+    out = tmp_path / "eval"
+    rows = eval_cli.evaluate(*eval_cli_configs(offline_assets.model, two_source_questions, out, vllm_server.base_url,
+                                               retriever_url))
+    assert [row["method"] for row in rows] == ["direct", "rag", "agent"]
+    traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
+    assert len(traces) == 3 * 2 * 2
+    specials = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")
+    assert not any(s in (t["answer"] or "") for t in traces for s in specials)
+
+    with pytest.raises(ValueError, match=rf"serves .*Qwen2.5-Coder-0.5B-Instruct'?, not checkpoint .*{tiny_model_dir.name}"):
+        eval_cli.evaluate(*eval_cli_configs(str(tiny_model_dir), two_source_questions, tmp_path / "other",
+                                            vllm_server.base_url, retriever_url))
+
+
+def eval_cli_configs(checkpoint, data, out, generator_url, retriever_url):
+    from searchr1_trl.env import SearchR1EnvConfig
+    from searchr1_trl.rollout import RolloutConfig
+
+    config = eval_cli.EvalConfig(checkpoints=[checkpoint], data=[data], num_samples=2, output_dir=str(out),
+                                 vllm_server_base_url=[generator_url], max_tokens_per_turn=32, max_concurrency=8)
+    return config, SearchR1EnvConfig(search_url=retriever_url, restate_question=True), RolloutConfig(
+        max_turns=2, bare_json_tool_calls=True)
