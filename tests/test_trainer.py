@@ -232,3 +232,20 @@ def test_a_step_with_nan_gradients_is_skipped_and_three_in_a_row_stop_training(t
     with pytest.raises(FloatingPointError, match="NaN or inf at 3 optimizer steps in a row"):
         trainer.train()
     assert len(snapshots.weights) == 2 and all(unchanged(w, initial) for w in snapshots.weights)
+
+
+def test_validation_is_the_agent_method_of_the_evaluation_module(tiny_model_dir, questions_file, retriever_url,
+                                                                  tmp_path):
+    import asyncio
+
+    from searchr1_trl import evaluation
+
+    args = small_config(tmp_path, questions_file, retriever_url, generator="transformers", max_tokens_per_turn=8,
+                        eval_num_samples=4, eval_on_start=True)
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args)
+    metrics = trainer.evaluate()
+    traces = asyncio.run(evaluation.run(evaluation.Method("agent", trainer.engine), trainer.eval_samples,
+                                        evaluation.greedy_params(args.max_tokens_per_turn)))
+    expected = {f"eval_{key}": value for key, value in evaluation.summarize(traces).items()}
+    assert {key: value for key, value in metrics.items() if key not in ("eval_runtime", "epoch")} == expected
+    assert trainer.state.log_history[-1]["eval_em"] == expected["eval_em"]
