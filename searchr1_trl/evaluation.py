@@ -30,11 +30,16 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
 
 from searchr1_trl.env import (
     QUESTION_SEPARATOR, RESTATEMENT, RetrievalClient, SearchR1Env, SearchR1EnvConfig, _query_from_arguments,
 )
-from searchr1_trl.generation import Generator, SamplingParams
+from searchr1_trl.generation import (
+    Generator, SamplingParams, TransformersGenerator, VLLMServerGenerator, end_token_ids,
+)
 from searchr1_trl.rollout import EnvStep, MessageEnv, Rollout, RolloutConfig, RolloutEngine, RolloutStatus
 from searchr1_trl.rubric import RewardExactMatch, final_answer
 
@@ -208,3 +213,50 @@ def macro_average(metrics: dict[str, float]) -> float:
     """The mean of the per-source EMs, the paper's "Avg." column (each data source weighs the same)."""
     per_source = [value for key, value in metrics.items() if key.startswith("em/")]
     return sum(per_source) / len(per_source)
+
+
+def _served_model(base_url: str) -> str:
+    """The model a vLLM server serves (the first it lists)."""
+    response = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=10.0)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def _same_model(served: str, checkpoint: str) -> bool:
+    """Whether a served model name and a checkpoint name the same model (same string, or the same folder)."""
+    if served == checkpoint:
+        return True
+    served_path, checkpoint_path = Path(served).expanduser(), Path(checkpoint).expanduser()
+    return served_path.exists() and served_path.resolve() == checkpoint_path.resolve()
+
+
+def policy_generator(kind: str, checkpoint: str, tokenizer, url: str | None = None, dtype: str = "auto",
+                     max_concurrency: int = 256) -> Generator:
+    """A generator of ``checkpoint``'s policy: ``vllm``, the server at ``url`` (ValueError unless it answers and
+    serves that checkpoint), or ``transformers``, the checkpoint loaded in-process (GPU if there is one; ``dtype``
+    auto: bfloat16 on GPU, float32 on CPU). Either stops turns at :func:`end_token_ids`."""
+    from transformers import GenerationConfig
+
+    if kind == "vllm":
+        try:
+            served = _served_model(url)
+        except httpx.HTTPError as error:
+            raise ValueError(f"vLLM server not reachable at {url} ({error!r}): start `trl vllm-serve --model "
+                             f"{checkpoint}` there or fix vllm_server_base_url") from None
+        if not _same_model(served, checkpoint):
+            raise ValueError(f"the vLLM server at {url} serves {served!r}, not checkpoint {checkpoint!r}")
+        try:
+            generation_config = GenerationConfig.from_pretrained(checkpoint)
+        except OSError:  # a checkpoint without generation_config.json: the tokenizer's end tokens only
+            generation_config = None
+        return VLLMServerGenerator(url, max_concurrency=max_concurrency,
+                                   stop_token_ids=end_token_ids(tokenizer, generation_config))
+    if kind != "transformers":
+        raise ValueError(f"generator={kind!r}; expected 'vllm' or 'transformers'")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = dtype if dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+    return TransformersGenerator(model, tokenizer, max_batch_size=min(max_concurrency, 64))

@@ -45,7 +45,14 @@ from searchr1_trl.generation import (
 from searchr1_trl.rollout import RolloutConfig
 from searchr1_trl.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+def _recipes_dir() -> Path:
+    """Where the shipped recipes are: ``searchr1_trl/recipes`` in an installed wheel (pyproject.toml maps
+    ``configs/`` there), ``configs/`` in a repository checkout."""
+    packaged = Path(__file__).resolve().parent / "recipes"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent / "configs"
+
+
+CONFIGS = _recipes_dir()
 
 # The parts a recipe configures, with the defaults the Search-R1 task gives them.
 PARTS: dict[str, Any] = {
@@ -274,7 +281,7 @@ def recipe_path(name: str) -> Path:
     candidate = CONFIGS / (name if name.endswith(".yaml") else f"{name}.yaml")
     if not candidate.is_file():
         known = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
-        raise ValueError(f"recipe {name!r} is neither a file nor one of configs/: {known}")
+        raise ValueError(f"recipe {name!r} is neither a file nor one of the shipped recipes ({CONFIGS}): {known}")
     return candidate
 
 

@@ -8,7 +8,8 @@ from dataclasses import fields
 import pytest
 
 from searchr1_trl import assets
-from searchr1_trl.plan import PlanError, validate_plan
+from searchr1_trl.cli.train import main as train_main
+from searchr1_trl.plan import PlanError, check_machine, validate_plan
 from searchr1_trl.recipe import (
     CONFIGS,
     KNOBS,
@@ -84,7 +85,7 @@ def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_row
 def test_a_bare_recipe_name_and_a_path_resolve_to_the_same_file():
     assert recipe_path("qwen3_8b") == recipe_path("qwen3_8b.yaml") == CONFIGS / "qwen3_8b.yaml"
     assert recipe_path(str(CONFIGS / "offline.yaml")) == CONFIGS / "offline.yaml"
-    with pytest.raises(ValueError, match="neither a file nor one of configs/"):
+    with pytest.raises(ValueError, match="neither a file nor one of the shipped recipes"):
         recipe_path("qwen3_9b")
 
 
@@ -93,6 +94,23 @@ def test_plan_rejects_a_generator_tp_that_does_not_divide_the_kv_heads(recipe, t
     args, model_args = parse_recipe(recipe, "--vllm_tensor_parallel_size", str(tp))
     with pytest.raises(PlanError, match=rf"vllm_tensor_parallel_size={tp} does not divide the {heads} KV heads"):
         validate_plan(args, model_args, check_machine=False)
+
+
+@pytest.mark.parametrize(("recipe", "needs"), [("qwen3_8b", "bf16 mixed precision, weight_sync=nccl"),
+                                               ("offline_gpu", "bf16 mixed precision")])
+def test_a_gpu_recipe_on_a_machine_without_cuda_stops_in_one_line_naming_the_need_and_the_cpu_recipe(
+        recipe, needs, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        train_main(["--config", f"{recipe}.yaml"])
+    assert stop.value.code == (
+        f"error: recipe {recipe} needs CUDA GPUs ({needs}) and this machine has none: on a CPU run "
+        "`searchr1-train --config offline` (add --max_steps 1 for a smoke run), or force this recipe onto the CPU "
+        "with --use_cpu true --bf16 false --weight_sync reload")
+    check_machine("offline", {"bf16": False, "use_cpu": True})  # the CPU recipe's plan passes
+    check_machine(recipe, {"bf16": "true", "use_cpu": "true", "weight_sync": "reload"})  # forced onto the CPU
 
 
 def test_plan_names_a_missing_data_file_and_unreachable_servers(tmp_path):

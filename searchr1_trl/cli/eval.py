@@ -37,8 +37,6 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import httpx
-
 from searchr1_trl import evaluation
 from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
 from searchr1_trl.env import SearchR1EnvConfig
@@ -165,50 +163,14 @@ class TraceFile:
 # ---- generation ------------------------------------------------------------------------------------------------
 
 
-def _served_model(base_url: str) -> str:
-    response = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=10.0)
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
-
-
-def _same_model(served: str, checkpoint: str) -> bool:
-    if served == checkpoint:
-        return True
-    return Path(served).expanduser().exists() and Path(served).expanduser().resolve() == Path(
-        checkpoint).expanduser().resolve()
-
-
 def make_generator(config: EvalConfig, checkpoint: str, index: int, tokenizer):
-    """The generator of one checkpoint; for ``vllm``, after checking that its server serves that checkpoint."""
-    from transformers import GenerationConfig
-
-    from searchr1_trl.generation import TransformersGenerator, VLLMServerGenerator, end_token_ids
-
-    if config.generator == "vllm":
-        urls = config.vllm_server_base_url
-        if len(urls) != len(config.checkpoints):
-            raise ValueError(f"generator=vllm serves one model per server: give one vllm_server_base_url per "
-                             f"checkpoint ({len(config.checkpoints)}), got {len(urls)}; or use generator=transformers")
-        try:
-            served = _served_model(urls[index])
-        except httpx.HTTPError as error:
-            raise ValueError(f"vLLM server not reachable at {urls[index]} ({error!r}): start `trl vllm-serve "
-                             f"--model {checkpoint}` there or fix vllm_server_base_url") from None
-        if not _same_model(served, checkpoint):
-            raise ValueError(f"the vLLM server at {urls[index]} serves {served!r}, not checkpoint {checkpoint!r}")
-        try:
-            generation_config = GenerationConfig.from_pretrained(checkpoint)
-        except OSError:
-            generation_config = None
-        return VLLMServerGenerator(urls[index], max_concurrency=config.max_concurrency,
-                                   stop_token_ids=end_token_ids(tokenizer, generation_config))
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
-    return TransformersGenerator(model, tokenizer, max_batch_size=min(config.max_concurrency, 64))
+    """The generator of one checkpoint (for ``vllm``, the server in ``vllm_server_base_url`` at its position)."""
+    urls = config.vllm_server_base_url
+    if config.generator == "vllm" and len(urls) != len(config.checkpoints):
+        raise ValueError(f"generator=vllm serves one model per server: give one vllm_server_base_url per "
+                         f"checkpoint ({len(config.checkpoints)}), got {len(urls)}; or use generator=transformers")
+    return evaluation.policy_generator(config.generator, checkpoint, tokenizer, url=urls[index] if urls else None,
+                                       dtype=config.dtype, max_concurrency=config.max_concurrency)
 
 
 # ---- the table -------------------------------------------------------------------------------------------------

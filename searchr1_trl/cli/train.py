@@ -1,0 +1,90 @@
+"""searchr1-train: train a Search-R1 policy with TRL from a recipe.
+
+    searchr1-train --config offline --max_steps 5          # a shipped recipe by name; any field overridden on the CLI
+    searchr1-train --config my_recipe.yaml                  # or a YAML file
+    accelerate launch --config_file accelerate_configs/zero3.yaml scripts/train.py --config qwen3_8b
+
+Shipped recipes (``configs/`` in the repository, ``searchr1_trl/recipes`` in the installed package):
+offline, offline_gpu, qwen3_1_7b, qwen3_8b, qwen3_30b_a3b, muse_glimmer_30b; each YAML starts with its GPU plan and
+the commands that start its generator (``trl vllm-serve``) and retriever (``searchr1-retriever``), which must be
+running. A recipe this machine cannot run stops in one line naming what is missing and what to run instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from searchr1_trl.plan import PlanError, check_machine, validate_plan
+from searchr1_trl.recipe import load_recipe, recipe_path
+
+logger = logging.getLogger(__name__)
+
+
+def _raw_values(argv: list[str]) -> dict:
+    """The recipe's YAML values with the command line's ``--name value`` / ``--name=value`` / ``--flag`` on top,
+    unparsed: what the plan check reads before any config object (and its checks) exists."""
+    import yaml
+
+    values = {}
+    if "--config" in argv:
+        values.update(yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {})
+    for i, token in enumerate(argv):
+        if not token.startswith("--") or token == "--config":
+            continue
+        name, equals, value = token[2:].partition("=")
+        if not equals:
+            follows = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            value = argv[i + 1] if follows else "true"
+        values[name.replace("-", "_")] = value
+    return values
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if "--config" in argv:
+            i = argv.index("--config") + 1
+            argv[i] = str(recipe_path(argv[i]))
+        recipe = Path(argv[argv.index("--config") + 1]).stem if "--config" in argv else "command line"
+        # Before the config exists: TrainingArguments refuses bf16 without a GPU in a traceback that names neither
+        # the recipe nor what to run instead.
+        check_machine(recipe, _raw_values(argv))
+        try:
+            args, model_args = load_recipe(argv)
+        except ValueError as error:  # a field the trainer owns, a bad value: one line, not a traceback
+            raise PlanError(f"recipe {recipe}: {error}") from None
+        args.recipe = recipe
+        validate_plan(args, model_args)
+    except ValueError as error:  # PlanError included
+        sys.exit(f"error: {' '.join(str(error).split())}")
+    train(args, model_args)
+
+
+def train(args, model_args) -> None:
+    """Train, evaluate the last step if the run did not, save, and push to the Hub when asked."""
+    from trl import get_peft_config
+
+    from searchr1_trl.trainer import SearchR1Trainer
+
+    args.model_init_kwargs = {
+        **(args.model_init_kwargs or {}),
+        "dtype": model_args.dtype,
+        "attn_implementation": model_args.attn_implementation,
+    }
+    trainer = SearchR1Trainer(model=model_args.model_name_or_path, args=args, peft_config=get_peft_config(model_args))
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    evaluated_last_step = any(e.get("step") == trainer.state.global_step and "eval_em" in e
+                              for e in trainer.state.log_history)
+    if trainer.eval_samples and not evaluated_last_step:
+        trainer.evaluate()  # the final EM, also recorded in the model card
+    trainer.save_state()
+    trainer.save_model(args.output_dir)
+    if args.push_to_hub:
+        trainer.push_to_hub()
+
+
+if __name__ == "__main__":
+    main()
