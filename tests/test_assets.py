@@ -79,3 +79,20 @@ def test_a_missing_input_names_the_file_and_the_expected_checksum(tmp_path):
 def test_an_intact_input_verifies(tmp_path):
     wheels, wheel = _wheel_copy(tmp_path)
     assert verified_member(WIKI_LEADS, wheels, download=False) == (wheel, WIKI_LEADS.member)
+
+
+def test_a_long_read_logs_its_megabytes_rate_and_eta(tmp_path, caplog, monkeypatch):
+    import io
+
+    from searchr1_trl import assets
+
+    caplog.set_level("INFO")
+    clock = iter(range(0, 1000, 3))  # every read takes 3 s
+    monkeypatch.setattr(assets.time, "monotonic", lambda: next(clock))
+    data = b"x" * (5 * (1 << 22))  # five 4 MiB blocks
+    target = io.BytesIO()
+    assets._copy(io.BytesIO(data), target, len(data), "assembling part01.bin")
+    assert target.getvalue() == data
+    lines = [r.getMessage() for r in caplog.records if "assembling part01.bin" in r.getMessage()]
+    assert lines and all(" MB (" in line and "MB/s, ETA " in line for line in lines)
+    assert lines[0].startswith("  assembling part01.bin: 8 of 21 MB (40%)")
