@@ -18,7 +18,7 @@ LAYERS = [
     {"shapes", "assets", "generation", "parsing", "vllm_server"},  # leaves: no task, no loop
     {"rollout"},  # the generic multi-turn loop
     {"data", "env", "rubric"},  # the Search-R1 task
-    {"recipe", "plan"},  # the flat config, its wiring and its checks
+    {"recipe", "plan", "evaluation"},  # the flat config, its wiring and its checks; EM tables of a policy
     {"trainer"},  # the TRL trainer
 ]
 SAME_LAYER: set[tuple[str, str]] = set()

@@ -170,7 +170,11 @@ def test_every_flat_field_reaches_its_part(tmp_path):
     assert part_config(args, "rubric").truncation_reward == -0.5
 
 
-def test_build_task_wires_sampling_rubric_and_generator(tmp_path, monkeypatch):
+def test_build_task_wires_sampling_rubric_and_generator(tmp_path, monkeypatch, tokenizer):
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
     questions = tmp_path / "q.parquet"
     import pandas as pd
 
@@ -184,8 +188,10 @@ def test_build_task_wires_sampling_rubric_and_generator(tmp_path, monkeypatch):
     assert (task.sampling.temperature, task.sampling.top_p, task.sampling.max_tokens) == (0.7, 1.0, 99)
     assert [s.question for s in task.eval_samples] == ["q1"]
     assert task.rubric.truncation_reward == -0.5
-    generator = task.generator(None, None)
+    model = SimpleNamespace(generation_config=GenerationConfig(eos_token_id=tokenizer.eos_token_id))
+    generator = task.generator(model, tokenizer)
     assert (generator.base_url, generator.max_concurrency) == ("http://127.0.0.1:8001", 3)
+    assert generator.stop_token_ids == sorted([tokenizer.eos_token_id, tokenizer.pad_token_id])  # both Qwen ends
     assert build_task(config(train_data_path=str(questions))).eval_samples == []  # never validates: nothing loaded
 
 
