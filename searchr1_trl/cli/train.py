@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(args, model_args) -> None:
-    """Train, evaluate the last step if the run did not, save, and push to the Hub when asked."""
+    """Train, evaluate the last step if the run did not, save with the model card, push to the Hub when asked."""
     from trl import get_peft_config
 
     from searchr1_trl.trainer import SearchR1Trainer
@@ -82,6 +82,7 @@ def train(args, model_args) -> None:
         trainer.evaluate()  # the final EM, also recorded in the model card
     trainer.save_state()
     trainer.save_model(args.output_dir)
+    trainer.create_model_card()  # README.md beside the weights: recipe, data, retriever, final EM (also on the Hub)
     if args.push_to_hub:
         trainer.push_to_hub()
 
