@@ -18,6 +18,12 @@ to None as ``ERROR_PARSE``. A message is ``{"role": "assistant", "content": str}
    fences, one or two closing braces missing at the end) are repaired. A call of an unknown tool is still a call
    (the environment answers it with an error), never a final answer. Anything else stays the answer it was: this
    reader never fails a turn.
+
+Whatever a reader returns must be renderable by the chat template and sendable as JSON, or the turn fails (None)
+before it reaches the environment (issue 13, F1/F2): a lone UTF-16 surrogate (JSON ``"\\ud800"``: valid JSON, no
+Unicode; httpx and the tokenizer raise on it) anywhere in the message, or arguments nested deeper than
+:data:`MAX_ARGUMENT_DEPTH`. A reader that raises on pathological JSON (nesting too deep for the JSON parser, an
+integer over 4,300 digits) fails the turn too; one malformed turn so costs only its own rollout (``ERROR_PARSE``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ from typing import Any
 
 Parser = Callable[[list[int], list[int]], dict | None]
 
+# Deepest nesting of tool-call arguments a turn may have; real calls nest 1-3 levels, and the chat template's tojson
+# recurses once per level (~990 levels raised RecursionError while rendering).
+MAX_ARGUMENT_DEPTH = 32
+
+# What JSON readers raise on text they cannot read: JSONDecodeError and too-long integers (ValueError), nesting
+# deeper than the interpreter's recursion limit (RecursionError).
+_UNREADABLE = (ValueError, RecursionError)
+
 
 def response_parser(tokenizer, tools: list[dict], bare_json_tool_calls: bool = False) -> Parser:
     """``parse(generated_ids, prefix_ids) -> assistant message | None`` (None: the turn cannot be parsed).
@@ -38,15 +52,40 @@ def response_parser(tokenizer, tools: list[dict], bare_json_tool_calls: bool = F
     ``bare_json_tool_calls``, a parsed message without tool calls goes through :func:`_bare_json_tool_call`.
     """
     parse = _template_parser(tokenizer, tools)
-    if not bare_json_tool_calls:
-        return parse
     tool_names = {tool["function"]["name"] for tool in tools}
 
-    def parse_with_bare_json(ids: list[int], prefix: list[int]) -> dict | None:
-        message = parse(ids, prefix)
-        return None if message is None else _bare_json_tool_call(message, tool_names)
+    def parse_turn(ids: list[int], prefix: list[int]) -> dict | None:
+        try:
+            message = parse(ids, prefix)
+            if message is not None and bare_json_tool_calls:
+                message = _bare_json_tool_call(message, tool_names)
+        except _UNREADABLE:
+            return None
+        return message if message is not None and _renderable(message) else None
 
-    return parse_with_bare_json
+    return parse_turn
+
+
+def _renderable(message: dict) -> bool:
+    """Whether every string in ``message`` is valid Unicode and its nesting stays within the argument depth.
+
+    ``{"content": "ok"}`` -> True; ``{"content": "a\\ud800"}`` -> False; arguments nested 33 levels -> False.
+    """
+    stack = [(message, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_ARGUMENT_DEPTH + 3:  # message -> tool_calls -> call -> function -> arguments
+            return False
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(value, dict):
+            stack.extend((item, depth + 1) for pair in value.items() for item in pair)
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
+    return True
 
 
 def _template_parser(tokenizer, tools: list[dict]) -> Parser:
@@ -68,7 +107,7 @@ def _template_parser(tokenizer, tools: list[dict]) -> Parser:
         ids = [i for i in ids[: len(ids) - len(end)] if i not in special] + end
         try:
             parsed = tokenizer.parse_response(ids, prefix=prefix, tools=tools or None)
-        except ValueError:  # the parser's way of saying a tool call is not valid JSON
+        except _UNREADABLE:  # ValueError: the parser's way of saying a tool call is not valid JSON
             return None
         return _assistant_message(parsed)
 
@@ -121,7 +160,7 @@ def _repaired_json(text: str) -> Any:
     for suffix in ("", "}", "}}"):
         try:
             return json.loads(text + suffix)
-        except json.JSONDecodeError:
+        except _UNREADABLE:
             continue
     return None
 
@@ -138,7 +177,7 @@ def _loads_calls(text: str) -> list | None:
     while position < len(text):
         try:
             value, end = decoder.raw_decode(text, position)
-        except json.JSONDecodeError:
+        except _UNREADABLE:
             last = _repaired_json(text[position:])
             return None if last is None else [*values, last]
         values.append(value)
@@ -194,7 +233,7 @@ def parse_tool_call_blocks(text: str) -> dict | None:
     for block in blocks:
         try:
             call = json.loads(block)
-        except json.JSONDecodeError:
+        except _UNREADABLE:
             return None
         if not isinstance(call, dict):
             return None
