@@ -72,6 +72,11 @@ def run(tokenizer, env: SearchR1Env, first: list[str]):
     return asyncio.run(main())
 
 
+# Turns no reader can take for a call are the model's answer (the bare-JSON reader never fails a turn), and a search
+# whose JSON-string arguments cannot be read is answered with an error message: both end their rollout as done.
+READ_AS_ANSWER_OR_ANSWERED = {"bare JSON, 990 nested", "bare JSON, 5,000 digits", "arguments as a JSON string nested 990"}
+
+
 @pytest.mark.parametrize("shape", [*F1_SHAPES, *F2_SHAPES])
 def test_a_malformed_turn_ends_only_its_own_rollout_and_costs_no_other_search(tokenizer, retriever_url, shape,
                                                                               reliability_figures):
@@ -81,7 +86,8 @@ def test_a_malformed_turn_ends_only_its_own_rollout_and_costs_no_other_search(to
     rollouts = run(tokenizer, env, [turn] + [GOOD_CALL] * 7)
 
     searched = [r.messages[2]["content"] for r in rollouts[1:]]
-    assert rollouts[0].status == RolloutStatus.ERROR_PARSE
+    expected = RolloutStatus.DONE if shape in READ_AS_ANSWER_OR_ANSWERED else RolloutStatus.ERROR_PARSE
+    assert rollouts[0].status == expected
     assert [r.status for r in rollouts[1:]] == [RolloutStatus.DONE] * 7
     assert all(text.startswith("Doc 1(Title: Super Bowl 50)") for text in searched)
     assert env.metrics()["search/failures"] == 0
