@@ -1,0 +1,105 @@
+"""searchr1-eval on the offline default, servers included: the paper-style table for CPU-sized samples.
+
+    python scripts/eval_offline.py --num_samples 32 --output_dir runs/eval_cpu            # 2-core CPU, ~20 min
+    python scripts/eval_offline.py --checkpoints <base> <trained> --corpus full ...       # more checkpoints, GPU
+
+Samples the SQuAD-open dev questions exactly as ``searchr1-eval`` does (seeded, across articles), indexes a corpus
+slice that holds every sampled question's article plus ``--distractors`` Wikipedia leads (the whole 31k-passage
+corpus takes ~12 minutes to embed on 2 cores; ``--corpus full`` indexes it all), starts the retriever and one
+``trl vllm-serve`` per checkpoint in turn, and runs the three methods with the offline recipes' env and rollout
+settings. Every setting and the ``searchr1-eval`` command line go to ``<output_dir>/command.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from retriever_server.launch import RetrieverProcess
+from searchr1_trl.assets import prepare
+from searchr1_trl.cli import eval as eval_cli
+from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+
+logger = logging.getLogger("eval_offline")
+
+# The offline recipes' env and rollout settings (configs/offline_gpu.yaml), so the agent is evaluated as it trains.
+AGENT_SETTINGS = ["--topk", "3", "--max_turns", "3", "--max_tokens_per_turn", "128", "--restate_question", "true",
+                  "--bare_json_tool_calls", "true"]
+
+
+def corpus_slice(corpus: str, titles: set[str], distractors: int, out: Path) -> str:
+    """The passages of ``titles`` plus the first ``distractors`` Wikipedia leads, as a corpus JSONL."""
+    kept, leads = [], 0
+    with open(corpus) as f:
+        for line in f:
+            row = json.loads(line)
+            if row["contents"].split("\n", 1)[0] in titles:
+                kept.append(line)
+            elif leads < distractors and int(row["id"]) > 20957:  # Wikipedia leads follow the SQuAD paragraphs
+                kept.append(line)
+                leads += 1
+    path = out / "corpus.jsonl"
+    path.write_text("".join(kept))
+    logger.info("corpus slice: %d passages (%d articles + %d leads)", len(kept), len(titles), leads)
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoints", nargs="+", default=None, help="default: the offline base model")
+    parser.add_argument("--num_samples", type=int, default=32)
+    parser.add_argument("--sample_seed", type=int, default=0)
+    parser.add_argument("--methods", nargs="+", default=["direct", "rag", "agent"])
+    parser.add_argument("--corpus", choices=["slice", "full"], default="slice")
+    parser.add_argument("--distractors", type=int, default=500)
+    parser.add_argument("--output_dir", default="runs/eval_cpu")
+    parser.add_argument("--retriever_port", type=int, default=8020)
+    parser.add_argument("--generator_port", type=int, default=8021)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="[eval_offline %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    start = time.monotonic()
+    out = Path(args.output_dir).resolve()
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    assets = prepare()
+    checkpoints = args.checkpoints or [assets.model]
+
+    sample = eval_cli.EvalConfig(checkpoints=checkpoints, data=[assets.test_questions], num_samples=args.num_samples,
+                                 sample_seed=args.sample_seed)
+    questions = [s.question for _, s in eval_cli.load_questions(sample)]
+    import pandas as pd
+
+    test = pd.read_parquet(assets.test_questions)
+    titles = set(test[test["question"].isin(questions)]["title"])
+    corpus = assets.corpus if args.corpus == "full" else corpus_slice(assets.corpus, titles, args.distractors,
+                                                                      out / "data")
+    index = out / "data" / "index.faiss"
+    subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", corpus,
+                    "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)
+    with RetrieverProcess(index_path=str(index), corpus_path=corpus, retriever_model=assets.embedder,
+                          port=args.retriever_port, log_file=str(out / "retriever.log")) as retriever:
+        for checkpoint in checkpoints:
+            server = VLLMServerConfig.for_this_machine(checkpoint, port=args.generator_port,
+                                                       log_file=str(out / "vllm.log"), startup_timeout_s=1200)
+            command = [
+                "searchr1-eval", "--checkpoints", checkpoint, "--data", assets.test_questions,
+                "--num_samples", str(args.num_samples), "--sample_seed", str(args.sample_seed),
+                "--methods", *args.methods, "--search_url", retriever.url, "--generator", "vllm",
+                "--vllm_server_base_url", server.base_url, "--max_concurrency", "8", "--output_dir", str(out),
+                *AGENT_SETTINGS,
+            ]
+            with open(out / "command.txt", "a") as f:
+                f.write(shlex.join(command) + "\n")
+            with VLLMServer(server):
+                logger.info("evaluating %s after %.0fs", checkpoint, time.monotonic() - start)
+                eval_cli.main(command[1:])
+    logger.info("done in %.0fs: %s", time.monotonic() - start, out / eval_cli.RESULTS_MD)
+
+
+if __name__ == "__main__":
+    main()
