@@ -235,7 +235,7 @@ def test_a_step_with_nan_gradients_is_skipped_and_three_in_a_row_stop_training(t
 
 
 def test_validation_is_the_agent_method_of_the_evaluation_module(tiny_model_dir, questions_file, retriever_url,
-                                                                  tmp_path):
+                                                                  tmp_path, capsys):
     import asyncio
 
     from searchr1_trl import evaluation
@@ -244,6 +244,8 @@ def test_validation_is_the_agent_method_of_the_evaluation_module(tiny_model_dir,
                         eval_num_samples=4, eval_on_start=True)
     trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args)
     metrics = trainer.evaluate()
+    progress = capsys.readouterr().err
+    assert "validation rollouts: " in progress and "/4 [" in progress, "rollouts done / total while it runs"
     traces = asyncio.run(evaluation.run(evaluation.Method("agent", trainer.engine), trainer.eval_samples,
                                         evaluation.greedy_params(args.max_tokens_per_turn)))
     expected = {f"eval_{key}": value for key, value in evaluation.summarize(traces).items()}
