@@ -1,14 +1,27 @@
-"""Run the retrieval server as a child process (tests, the offline job, benchmarks) and stop it reliably."""
+"""Run the retrieval server as a child process (tests, the offline job, benchmarks) and stop it reliably, also
+when the parent is killed: the kernel then SIGKILLs the server (``PR_SET_PDEATHSIG``; the server starts no
+processes of its own, so that is all of it; vLLM, which does, gets a reaper in ``searchr1_trl.processes``)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """``preexec_fn``: the kernel SIGKILLs the child when its parent dies (Linux; elsewhere a no-op)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
 
 @dataclass
@@ -36,7 +49,7 @@ class RetrieverProcess:
     def __enter__(self) -> "RetrieverProcess":
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **self.env})
+                                        env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

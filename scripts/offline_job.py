@@ -39,6 +39,7 @@ import yaml
 
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import prepare
+from searchr1_trl.processes import run_reporting
 from searchr1_trl.recipe import resolve_generator
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
@@ -222,7 +223,8 @@ def main() -> None:
         if uses_vllm:
             servers.enter_context(VLLMServer(generator))
         logger.info("servers up after %.0fs; training", time.monotonic() - start)
-        subprocess.run(trainer, check=True, env={**os.environ, **gpu_env(args.trainer_gpu)})
+        # A failure says what killed the trainer and the memory it peaked at, not "died with <Signals.SIGKILL: 9>".
+        run_reporting("trainer", trainer, env={**os.environ, **gpu_env(args.trainer_gpu)})
 
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     plot(history, out / "curves.png")

@@ -4,6 +4,11 @@ What this subclass decides, and nothing more:
 - **Questions** come from the endless, seeded :class:`~searchr1_trl.data.SearchR1Dataset`, not a sampler over a
   map-style dataset, so a resumed run continues the exact question sequence (its state is saved in every
   checkpoint next to the optimizer's).
+- **A checkpoint is complete or ignored**: the stream state is written (atomically) first, a
+  :data:`CHECKPOINT_COMPLETE_FILE` marker last, and older checkpoints are rotated away only after the marker, so a
+  kill at any moment leaves a complete checkpoint; ``resume_from_checkpoint=True`` takes the newest complete one.
+- **The weight-sync folder is the trainer's**: it is replaced on every push, so a folder that holds anything the
+  trainer did not write (no :data:`WEIGHT_SYNC_MARKER`) is refused, never deleted.
 - **Rollouts** go through TRL's ``rollout_func`` hook: the generic :class:`~searchr1_trl.rollout.RolloutEngine`
   drives :class:`~searchr1_trl.env.SearchR1Env`; the returned ``env_mask`` keeps tool tokens out of the loss.
 - **Rewards** are the :class:`~searchr1_trl.rubric.Rubric`, a plain TRL reward function.
@@ -37,7 +42,8 @@ import torch
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from tqdm.auto import tqdm
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer import rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
@@ -52,6 +58,8 @@ from searchr1_trl.vllm_server import reload_weights
 logger = logging.getLogger(__name__)
 
 STREAM_STATE_FILE = "question_stream.json"
+CHECKPOINT_COMPLETE_FILE = "searchr1_checkpoint_complete"  # written last: the checkpoint can be resumed from
+WEIGHT_SYNC_MARKER = ".searchr1_weight_sync"  # in every weight-sync folder the trainer writes
 MAX_CONSECUTIVE_NONFINITE_STEPS = 3
 
 
@@ -247,8 +255,10 @@ class SearchR1Trainer(GRPOTrainer):
                 state_dict = _merged_peft_state_dict(model)
                 model = model.get_base_model()
             folder = Path(self.args.weight_sync_dir or Path(self.args.output_dir) / "generator_weights")
+            _check_sync_folder_is_ours(folder)
             tmp = Path(tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None))
             model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            (tmp / WEIGHT_SYNC_MARKER).write_text("written by SearchR1Trainer.push_weights_to_generator\n")
             shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
             reload_weights(self.args.generator_url, folder)
@@ -285,21 +295,37 @@ class SearchR1Trainer(GRPOTrainer):
                                self.accelerator.num_processes)
 
     def _save_checkpoint(self, model, trial):
-        # Extends Trainer/GRPOTrainer._save_checkpoint (transformers 5.24, TRL 1.16): also save the stream position.
-        super()._save_checkpoint(model, trial)
+        # Extends Trainer/GRPOTrainer._save_checkpoint (transformers 5.24, TRL 1.16): the stream position first, the
+        # completeness marker after everything, and the rotation of older checkpoints (which transformers does at the
+        # end of its own save) only after the marker.
+        run_dir = Path(self._get_output_dir(trial=trial))
+        folder = run_dir / f"checkpoint-{self.state.global_step}"
         if self.args.should_save:
-            folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
-            (folder / STREAM_STATE_FILE).write_text(json.dumps(self.train_stream.state_dict()))
+            (folder / CHECKPOINT_COMPLETE_FILE).unlink(missing_ok=True)  # a folder saved again is incomplete meanwhile
+            _write_atomically(folder / STREAM_STATE_FILE, json.dumps(self.train_stream.state_dict()))
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()  # every rank's shards are written
+        if self.args.should_save:
+            _write_atomically(folder / CHECKPOINT_COMPLETE_FILE, "")
+            rotate_checkpoints(output_dir=str(run_dir), save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no checkpoint-* folder")
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete "
+                                 f"checkpoint-* folder (one with {CHECKPOINT_COMPLETE_FILE})")
         if resume_from_checkpoint:
+            if not (Path(resume_from_checkpoint) / CHECKPOINT_COMPLETE_FILE).exists():
+                raise ValueError(f"{resume_from_checkpoint} is incomplete (no {CHECKPOINT_COMPLETE_FILE}: the run "
+                                 f"stopped while saving it); resume from an earlier checkpoint or pass "
+                                 f"resume_from_checkpoint=True for the newest complete one")
             state_file = Path(resume_from_checkpoint) / STREAM_STATE_FILE
-            if not state_file.exists():
-                raise FileNotFoundError(f"{state_file} is missing: cannot resume the question stream exactly")
             self.train_stream.load_state_dict(json.loads(state_file.read_text()))
         with self._event_loop():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
@@ -346,3 +372,41 @@ def _merged_peft_state_dict(model) -> dict[str, torch.Tensor]:
         return state
     finally:
         model.unmerge_adapter()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a part of it (a kill mid-write leaves a stray .tmp)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def newest_complete_checkpoint(output_dir: str) -> str | None:
+    """The ``checkpoint-<step>`` folder of ``output_dir`` with the highest step that was completely written, or None.
+
+    Incomplete ones (a kill while saving) are skipped with a warning: resuming from them would fail or, worse,
+    resume from a mix of two steps.
+    """
+    folders = sorted(Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"),
+                     key=lambda p: int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit() else -1,
+                     reverse=True)
+    for folder in folders:
+        if (folder / CHECKPOINT_COMPLETE_FILE).exists():
+            return str(folder)
+        logger.warning("skipping %s: incomplete (no %s), the run stopped while saving it", folder,
+                       CHECKPOINT_COMPLETE_FILE)
+    return None
+
+
+def _check_sync_folder_is_ours(folder: Path) -> None:
+    """ValueError if ``folder`` exists with content the trainer did not write: every push replaces it whole."""
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / WEIGHT_SYNC_MARKER).exists():
+        found = sorted(p.name for p in folder.iterdir())[:5]
+        raise ValueError(
+            f"weight_sync_dir {folder} holds files this trainer did not write ({', '.join(found)}); every weight "
+            "push replaces the folder, so point weight_sync_dir at an empty or new folder"
+        )

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from searchr1_trl.processes import owned_popen
+
 logger = logging.getLogger(__name__)
 
 
@@ -96,10 +98,10 @@ class VLLMServer:
         env.setdefault("HF_HUB_OFFLINE", "1" if Path(self.config.model).exists() else env.get("HF_HUB_OFFLINE", "0"))
         self._log = open(self.config.log_file, "ab") if self.config.log_file else None
         logger.info("starting vLLM server: %s", " ".join(self.config.command()))
-        # A new session so stop() can signal vLLM's engine and worker children together.
-        self.process = subprocess.Popen(
+        # Under a reaper leading a new process group: stop() signals vLLM's engine and worker children together,
+        # and they all die with this process even when it is killed (processes.owned_popen).
+        self.process = owned_popen(
             self.config.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
-            start_new_session=True,
         )
         started = time.monotonic()
         deadline = started + self.config.startup_timeout_s

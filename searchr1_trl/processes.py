@@ -1,0 +1,136 @@
+"""Child processes that die with their parent, and exits that say why (issue 13, F11).
+
+A server started for a job (vLLM, whose engine runs in processes of its own) must not outlive the job: when the job
+is killed (the OOM killer, a scheduler, Ctrl-C), 8 GB of orphaned servers stayed behind. :func:`owned_popen` starts
+a command under a tiny reaper (``python -m searchr1_trl.processes <command>``) in a new process group; the kernel
+sends the reaper SIGTERM when its parent dies (``PR_SET_PDEATHSIG``; strictly, when the thread that started it
+ends: start servers from a thread that lives as long as they should), and the reaper then stops the whole group:
+SIGTERM, and SIGKILL to whatever is left after ``REAP_GRACE_S``. The reaper also stops the group when the command
+exits on its own, so no grandchild survives it, and exits with the command's status (128 + signal if killed).
+
+:func:`describe_exit` turns an exit status into a sentence: a child killed by SIGKILL is most likely the OOM
+killer's work, said together with the cgroup's OOM-kill count when the kernel exposes it, the child's measured peak
+memory and what the machine has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+REAP_GRACE_S = 10.0  # between SIGTERM and SIGKILL of the group
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (a ``preexec_fn``; Linux only)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def owned_popen(command: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(command)`` whose process group dies with this process; the returned process is the
+    reaper, leader of that group (``os.killpg(p.pid, SIGTERM)`` stops it all)."""
+    return subprocess.Popen([sys.executable, "-m", "searchr1_trl.processes", *command], start_new_session=True,
+                            preexec_fn=die_with_parent, **kwargs)
+
+
+def _stop_group(grace_s: float) -> None:
+    """SIGTERM to this process group, SIGKILL to what is left after ``grace_s`` (this process survives both)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(0, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while (others := [pid for pid in _group_members() if pid != os.getpid()]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in others:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _group_members() -> list[int]:
+    """Live pids of this process group (zombie children of ours are reaped first, so they do not count)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    group, members = os.getpgid(0), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+                if int(fields[2]) == group and fields[0] != "Z":
+                    members.append(int(entry.name))
+    return members
+
+
+def _reap(command: list[str]) -> int:
+    """Run ``command``, stop the group when it exits or when we are told to stop; its exit status."""
+    child = subprocess.Popen(command)
+
+    def stop(signum, frame):
+        _stop_group(REAP_GRACE_S)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = child.wait()
+    _stop_group(REAP_GRACE_S)
+    return code if code >= 0 else 128 - code
+
+
+def _oom_kills() -> int | None:
+    """The OOM-kill count of this process's cgroup (cgroup v2), or None where the kernel does not expose it."""
+    try:
+        events = Path("/sys/fs/cgroup/memory.events").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) for line in events.splitlines() if line.startswith("oom_kill ")), None)
+
+
+def _meminfo_gib(key: str) -> float:
+    line = next(line for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith(f"{key}:"))
+    return int(line.split()[1]) / 2**20
+
+
+def describe_exit(name: str, returncode: int, peak_rss_gib: float, oom_kills_before: int | None = None) -> str:
+    """What a child's exit status means, e.g. ``"trainer was killed by SIGKILL: most likely the kernel's OOM killer
+    (this cgroup's OOM kills went 0 -> 1); its peak resident memory was 21.3 GiB, the machine has 23.5 GiB (1.2
+    GiB available now)"``; ``"trainer exited with status 2"`` when no signal was involved."""
+    signum = -returncode if returncode < 0 else returncode - 128 if 128 < returncode < 160 else None
+    if signum is None:
+        return f"{name} exited with status {returncode}"
+    try:
+        sig = signal.Signals(signum).name
+    except ValueError:
+        sig = f"signal {signum}"
+    memory = (f"its peak resident memory was {peak_rss_gib:.1f} GiB, the machine has "
+              f"{_meminfo_gib('MemTotal'):.1f} GiB ({_meminfo_gib('MemAvailable'):.1f} GiB available now)")
+    if signum != signal.SIGKILL:
+        return f"{name} was killed by {sig}; {memory}"
+    kills = _oom_kills()
+    cause = ("the kernel's OOM killer" + (f" (this cgroup's OOM kills went {oom_kills_before} -> {kills})"
+                                           if kills is not None and oom_kills_before is not None else "")
+             if kills is None or oom_kills_before is None or kills > oom_kills_before
+             else "a kill -9 (this cgroup's OOM-kill count did not change)")
+    return f"{name} was killed by SIGKILL: most likely {cause}; {memory}. `dmesg | grep -i oom` shows the kernel's view"
+
+
+def run_reporting(name: str, command: list[str], **kwargs) -> None:
+    """``subprocess.run(command, check=True)`` whose failure says what killed the child and how much memory it
+    needed (:func:`describe_exit`), instead of "died with <Signals.SIGKILL: 9>"."""
+    oom_kills_before = _oom_kills()
+    with subprocess.Popen(command, **kwargs) as child:
+        _, status, usage = os.wait4(child.pid, 0)  # the rusage of this child (and its waited-for descendants) alone
+        child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise RuntimeError(describe_exit(name, child.returncode, usage.ru_maxrss / 2**20, oom_kills_before))
+
+
+if __name__ == "__main__":
+    sys.exit(_reap(sys.argv[1:]))

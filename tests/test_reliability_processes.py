@@ -1,0 +1,110 @@
+"""Reliability around the job (issue 13, F6 and F11): recipe commands keep servers off the network, servers die
+with whoever started them, and a child killed by a signal is reported with its likely cause and peak memory.
+
+The killed parent starts the real retrieval server, and a process tree standing in for vLLM (a shell with a child
+of its own: vLLM's API server starts engine processes the same way; a real vLLM takes minutes to start on CPU).
+Figures go to ``reliability_figures`` (docs/RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from searchr1_trl.processes import run_reporting
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER_COMMANDS = re.compile(r"(trl vllm-serve|searchr1-retriever) ")
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_recipe_commands_bind_servers_to_loopback_or_a_named_private_address_and_say_why(recipe):
+    header = [line for line in (ROOT / "configs" / recipe).read_text().splitlines() if line.startswith("#")]
+    commands = [line for line in header if line.startswith("#   ") and SERVER_COMMANDS.search(line)]
+
+    hosts = [re.search(r"--host (\S+)", line) for line in commands]
+    assert commands and all(hosts), [c for c, h in zip(commands, hosts) if not h]
+    assert all(h.group(1) == "127.0.0.1" or h.group(1).startswith("$") for h in hosts), [h.group(1) for h in hosts]
+    assert any("collective_rpc" in line for line in header)  # why
+
+
+PARENT = textwrap.dedent("""
+    import json, sys, time
+    from retriever_server.launch import RetrieverProcess
+    from searchr1_trl.processes import owned_popen
+
+    index, corpus, model, port = sys.argv[1:]
+    retriever = RetrieverProcess(index_path=index, corpus_path=corpus, retriever_model=model, port=int(port))
+    retriever.__enter__()
+    tree = owned_popen(["sh", "-c", "sleep 600 & sleep 600"])
+    time.sleep(1)
+    print(json.dumps({"retriever": retriever.process.pid, "group": tree.pid}), flush=True)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _group(pgid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_servers_die_with_a_parent_killed_by_sigkill(retriever_server, reliability_figures):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, retriever_server.index_path, retriever_server.corpus_path,
+                               retriever_server.retriever_model, str(free_port())], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    started = json.loads(parent.stdout.readline())
+    assert _alive(started["retriever"]) and len(_group(started["group"])) == 4  # reaper, sh, 2 x sleep
+
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while (_alive(started["retriever"]) or _group(started["group"])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+    orphans = int(_alive(started["retriever"])) + len(_group(started["group"]))
+    reliability_figures["orphans_after_parent_sigkill"] = orphans
+    assert orphans == 0
+
+
+def test_a_child_killed_by_sigkill_is_reported_with_its_likely_cause_and_peak_memory():
+    hog = "import os, signal; block = bytearray(1 << 30); os.kill(os.getpid(), signal.SIGKILL)"
+
+    with pytest.raises(RuntimeError) as failure:
+        run_reporting("trainer", [sys.executable, "-c", hog])
+
+    message = str(failure.value)
+    assert message.startswith("trainer was killed by SIGKILL: most likely ")
+    assert "OOM" in message and "dmesg" in message
+    peak = float(re.search(r"peak resident memory was ([\d.]+) GiB", message).group(1))
+    assert 1.0 <= peak < 1.6, message  # the 1 GiB it allocated (fork may add the parent's pages)
+
+
+def test_an_ordinary_failure_is_reported_as_its_exit_status():
+    with pytest.raises(RuntimeError, match="^trainer exited with status 3$"):
+        run_reporting("trainer", [sys.executable, "-c", "raise SystemExit(3)"])

@@ -1,0 +1,126 @@
+"""Reliability of a training run (issue 13, F7 and F8): a kill -9 at any moment leaves a checkpoint to resume from
+exactly, and the weight-sync folder never takes a user's files with it.
+
+Training is the real trainer on the tiny model of conftest, generating in-process and searching the real retrieval
+server; the killed runs are child processes killed with SIGKILL, at a step boundary and inside a checkpoint save.
+Figures go to ``reliability_figures`` (docs/RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from searchr1_trl import trainer as trainer_module
+from searchr1_trl.data import SearchR1Dataset
+from searchr1_trl.recipe import build_task, part_config
+from searchr1_trl.trainer import CHECKPOINT_COMPLETE_FILE, SearchR1Trainer
+from test_trainer import RecordingStream, small_config
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS_PER_STEP = 2  # small_config: 2 per device x 2 accumulation / 2 generations
+
+# The child trains 3 steps, saving every step and keeping one checkpoint, and SIGKILLs itself at step 2: "after" a
+# checkpoint (it is saved, marked complete and the older one rotated away), or "during" one (where transformers
+# rotates older checkpoints at the end of its own save: before our marker, and before the stream state was written
+# on main d952a21).
+CHILD = textwrap.dedent("""
+    import os, signal, sys
+    import transformers.trainer
+    from transformers import TrainerCallback
+    from searchr1_trl.trainer import SearchR1Trainer
+    from test_trainer import small_config
+
+    model, out, questions, url, mode = sys.argv[1:]
+    args = small_config(__import__("pathlib").Path(out), questions, url, max_steps=3, save_strategy="steps",
+                        save_steps=1, save_total_limit=1, generator="transformers", max_tokens_per_turn=8,
+                        max_turns=1)
+
+    class KillAfterSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    rotate = transformers.trainer.rotate_checkpoints
+
+    def rotate_then_die(*a, **k):
+        rotate(*a, **k)
+        if trainer.state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if mode == "during":
+        transformers.trainer.rotate_checkpoints = rotate_then_die
+    trainer = SearchR1Trainer(model=model, args=args, callbacks=[KillAfterSave()] if mode == "after" else [])
+    trainer.train()
+""")
+
+
+@pytest.fixture(scope="module")
+def questions_file(squad_dev_sample, tmp_path_factory) -> str:
+    _, questions = squad_dev_sample
+    path = tmp_path_factory.mktemp("questions") / "questions.parquet"
+    questions.to_parquet(path, index=False)
+    return str(path)
+
+
+@pytest.mark.parametrize(("mode", "resumed_from"), [("after", 2), ("during", 1)])
+def test_a_run_killed_after_or_during_a_checkpoint_resumes_exactly(tiny_model_dir, questions_file, retriever_url,
+                                                                  tmp_path, mode, resumed_from, reliability_figures):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    child = subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dir), str(tmp_path), questions_file,
+                            retriever_url, mode], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+
+    args = small_config(tmp_path, questions_file, retriever_url, max_steps=3, save_strategy="steps", save_steps=1,
+                        save_total_limit=1, generator="transformers", max_tokens_per_turn=8, max_turns=1)
+    stream = RecordingStream(part_config(args, "train_stream"))
+    stream.drawn = []
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args,
+                              task=replace(build_task(args), train_stream=stream))
+    trainer.train(resume_from_checkpoint=True)
+
+    fresh = SearchR1Dataset(part_config(args, "train_stream"))
+    expected = [next(fresh).question for _ in range(3 * QUESTIONS_PER_STEP)]
+    exact = stream.drawn == expected[resumed_from * QUESTIONS_PER_STEP:]
+    reliability_figures.setdefault("kill_and_resume", {})[mode] = {"resumed_from_step": resumed_from,
+                                                                   "questions_exact": exact}
+    assert exact, (stream.drawn, expected)
+    assert (Path(args.output_dir) / "checkpoint-3" / CHECKPOINT_COMPLETE_FILE).exists()
+
+
+def test_resume_refuses_an_incomplete_checkpoint_by_name_and_skips_it_when_asked_for_the_newest(tmp_path):
+    for step in (1, 2):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "checkpoint-1" / CHECKPOINT_COMPLETE_FILE).touch()
+
+    assert trainer_module.newest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
+    (tmp_path / "checkpoint-1" / CHECKPOINT_COMPLETE_FILE).unlink()
+    assert trainer_module.newest_complete_checkpoint(str(tmp_path)) is None
+
+
+def test_the_weight_sync_folder_is_replaced_when_ours_and_refused_when_not(tiny_model_dir, questions_file,
+                                                                          retriever_url, tmp_path, monkeypatch):
+    reloads = []
+    monkeypatch.setattr(trainer_module, "reload_weights", lambda url, folder: reloads.append(Path(folder)))
+    args = small_config(tmp_path, questions_file, retriever_url, generator="transformers")
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args)
+    folder = Path(args.weight_sync_dir)
+
+    trainer.push_weights_to_generator()
+    trainer.push_weights_to_generator()  # its own folder: replaced
+    assert reloads == [folder, folder] and (folder / "model.safetensors").exists()
+
+    theirs = tmp_path / "notes"
+    (theirs / "sub").mkdir(parents=True)
+    (theirs / "notes.txt").write_text("mine")
+    trainer.args.weight_sync_dir = str(theirs)
+    with pytest.raises(ValueError, match=r"notes holds files this trainer did not write \(notes.txt, sub\)"):
+        trainer.push_weights_to_generator()
+    assert (theirs / "notes.txt").read_text() == "mine" and (theirs / "sub").is_dir()
