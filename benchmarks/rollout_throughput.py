@@ -1,4 +1,5 @@
-"""Rollout throughput: completed rollouts/s and generated tokens/s of one Search-R1 workload through
+"""Rollout throughput: completed rollouts/s, generated tokens/s, turns and searches per rollout of one multi-turn
+Search-R1 workload through
 
 (a) ``RolloutEngine`` + ``VLLMServerGenerator`` (every rollout its own task, vLLM's continuous batching),
 (b) ``RolloutEngine`` + ``TransformersGenerator`` (in-process, concurrent turns batched into one ``generate``),
@@ -6,18 +7,24 @@
     timing ``GRPOTrainer._generate`` (generation + tool calls, no scoring or training step).
 
 The workload: ``--num_questions`` rollouts, i.e. ``num_questions / 2`` SQuAD dev questions asked twice each (GRPO
-groups need ``num_generations >= 2``, and (a)/(b) get the very same list), sampled at ``--temperature`` with at most
-``--max_tokens`` per turn and ``--max_turns`` assistant turns (TRL: ``max_tool_calling_iterations = max_turns - 1``).
-"Generated tokens" are model tokens only (env mask / TRL tool mask 1). The offline Qwen2.5-Coder-0.5B calls
-``search`` only as bare JSON, which TRL's response parser (and ours by default) reads as a final answer, so by default
-every rollout is one turn; ``--bare_json_tool_calls`` makes (a)/(b) search and go multi-turn (then (c) runs other
-conversations and is not comparable). The script starts its own retrieval server
-(over the passages of the questions' articles) and vLLM server; their start-up and model loading are not timed.
+groups need ``num_generations >= 2``, and all three get the very same list), sampled at ``--temperature`` with at
+most ``--max_tokens`` per turn and ``--max_turns`` assistant turns (TRL: ``max_tool_calling_iterations = max_turns -
+1``). "Generated tokens" are model tokens only (env mask / TRL tool mask 1); a turn is an assistant message, a search
+a tool call in one. The offline Qwen2.5-Coder-0.5B calls ``search`` only as bare JSON, which TRL's response parser
+reads as a final answer; so all three loops parse turns with the product's parser (``searchr1_trl.parsing``, bare
+JSON calls on): (c) gets it as its tokenizer's ``parse_response`` (:func:`tokenizer_with_our_parser`), the one
+method TRL 1.16 parses every turn through, and with it TRL's rollouts search too. ``--no-bare_json_tool_calls``
+restores the template-only parsers (then the 0.5B's rollouts are one turn). The script starts its own retrieval server
+(over the passages of the questions' articles) and, unless ``--vllm_base_url`` names a running one, a vLLM server on
+``--vllm_port``; their start-up and model loading are not timed.
 
-    python -m benchmarks.rollout_throughput --num_questions 16
+    python -m benchmarks.rollout_throughput --num_questions 16 --backends vllm trl \
+        --out docs/results/rollout_throughput.jsonl
 
-On CPU, (c) skips the NCCL weight-transfer handshake GRPOTrainer performs in server mode (it needs CUDA, and no
-weights change while generating); nothing else in TRL's generation path is altered.
+Nothing assumes a CPU: on a CUDA machine the vLLM server runs on the GPU with its default dtype (``--vllm_gpu``
+picks which), and (b)'s model goes to the GPU. (c) skips the NCCL weight-transfer handshake GRPOTrainer performs in
+server mode (no weights change while generating, and on CPU it cannot run) and keeps its unused policy on the CPU;
+nothing else in TRL's generation path is altered.
 """
 
 from __future__ import annotations
@@ -37,11 +44,22 @@ from pathlib import Path
 
 import pandas as pd
 
+from benchmarks.report import report
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import require
 from searchr1_trl.data import SearchR1Sample
-from searchr1_trl.env import RetrievalClient, SearchR1Env, SearchR1EnvConfig
-from searchr1_trl.generation import SamplingParams, TransformersGenerator, VLLMServerGenerator
+from searchr1_trl.env import (
+    SEARCH_TOOL,
+    RetrievalClient,
+    SearchR1Env,
+    SearchR1EnvConfig,
+)
+from searchr1_trl.generation import (
+    SamplingParams,
+    TransformersGenerator,
+    VLLMServerGenerator,
+)
+from searchr1_trl.parsing import response_parser
 from searchr1_trl.rollout import RolloutConfig, RolloutEngine
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
@@ -53,13 +71,25 @@ class Result:
     backend: str
     rollouts: int
     generated_tokens: int
-    tool_calls: int
+    turns: int
+    searches: int
     seconds: float
 
+    def row(self) -> dict:
+        return {
+            "backend": self.backend, "rollouts": self.rollouts, "seconds": round(self.seconds, 2),
+            "rollouts_per_s": round(self.rollouts / self.seconds, 4),
+            "generated_tokens_per_s": round(self.generated_tokens / self.seconds, 1),
+            "turns_per_rollout": round(self.turns / self.rollouts, 3),
+            "searches_per_rollout": round(self.searches / self.rollouts, 3),
+            "generated_tokens": self.generated_tokens,
+        }
+
     def line(self) -> str:
-        return (f"{self.backend:<34} {self.rollouts / self.seconds:8.3f} rollouts/s {self.generated_tokens / self.seconds:9.1f}"
-                f" tokens/s   ({self.rollouts} rollouts, {self.generated_tokens} tokens, {self.tool_calls} searches,"
-                f" {self.seconds:.1f} s)")
+        r = self.row()
+        return (f"{self.backend:<34} {r['rollouts_per_s']:8.3f} rollouts/s {r['generated_tokens_per_s']:9.1f} tokens/s"
+                f" {r['turns_per_rollout']:5.2f} turns {r['searches_per_rollout']:5.2f} searches per rollout"
+                f"   ({self.rollouts} rollouts, {self.generated_tokens} tokens, {self.seconds:.1f} s)")
 
 
 def free_port() -> int:
@@ -101,8 +131,32 @@ def engine_run(tokenizer, generator, search_url: str, samples, params, rollout_c
     for r in rollouts:
         statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
     print(f"  statuses: {statuses}; env metrics: {env.metrics()}", flush=True)
-    return Result("", len(rollouts), sum(sum(r.env_mask) for r in rollouts),
+    return Result("", len(rollouts), sum(sum(r.env_mask) for r in rollouts), sum(r.num_turns for r in rollouts),
                   sum(r.num_tool_calls for r in rollouts), seconds)
+
+
+def tokenizer_with_our_parser(model_path: str, bare_json_tool_calls: bool):
+    """A tokenizer for ``GRPOTrainer`` whose ``parse_response`` is the product's parser (``searchr1_trl.parsing``).
+
+    TRL 1.16 reads every turn through ``trl.chat_template_utils.parse_response``, which calls the tokenizer's
+    ``parse_response(ids, prefix=..., tools=...)`` when a ``response_template`` is set and falls back to plain text on
+    ``ValueError``; our parser's None (an unparseable turn) is raised as that. The parser itself runs on a second
+    tokenizer, whose own ``parse_response`` it calls.
+    """
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import add_response_schema
+
+    parse = response_parser(AutoTokenizer.from_pretrained(model_path), [SEARCH_TOOL], bare_json_tool_calls)
+    tokenizer = add_response_schema(AutoTokenizer.from_pretrained(model_path))
+
+    def parse_response(ids, prefix=None, tools=None) -> dict:
+        message = parse(list(ids), list(prefix or []))
+        if message is None:
+            raise ValueError("the turn cannot be parsed (searchr1_trl.parsing)")
+        return message
+
+    tokenizer.parse_response = parse_response
+    return tokenizer
 
 
 def trl_tool_loop(model_path: str, base_url: str, search_url: str, samples, args, work: Path) -> Result:
@@ -113,17 +167,18 @@ def trl_tool_loop(model_path: str, base_url: str, search_url: str, samples, args
 
     retrieval = RetrievalClient(SearchR1EnvConfig(search_url=search_url))
 
-    async def search(query: str) -> str:
-        """Search a Wikipedia-derived knowledge base and return the top passages for a query.
-
-        Args:
-            query: The natural-language search query.
-        """
+    async def search(query: str):  # no return annotation: it would add a "return" field to the rendered schema
         return await retrieval.search(query)
+
+    # TRL renders a tool's schema from its docstring: the env's SEARCH_TOOL exactly, so both loops get the same prompts.
+    function = SEARCH_TOOL["function"]
+    search.__doc__ = (f"{function['description']}\n\nArgs:\n"
+                      f"    query: {function['parameters']['properties']['query']['description']}\n")
 
     env = SearchR1Env()
     prompts = [env.initial_messages(s) for s in samples]
     config = GRPOConfig(
+        # The policy is not used by _generate in server mode: on the CPU it leaves the GPU to vLLM.
         output_dir=str(work / "trl"), report_to="none", use_cpu=True, bf16=False,
         per_device_train_batch_size=len(prompts), num_generations=2, max_completion_length=args.max_rollout_tokens,
         max_tool_calling_iterations=args.max_turns - 1, temperature=args.temperature, top_p=1.0,
@@ -135,14 +190,20 @@ def trl_tool_loop(model_path: str, base_url: str, search_url: str, samples, args
     trainer = GRPOTrainer(
         model=model_path, args=config, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
         train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), tools=[search],
+        processing_class=tokenizer_with_our_parser(model_path, args.bare_json_tool_calls),
     )
     trainer.vllm_generation.sync_weights = lambda: None
     trainer.vllm_generation.max_completion_length = args.max_tokens  # per-turn cap, like max_tokens in (a)/(b)
+    # What GRPOTrainer._generate_and_score_completions builds before calling _generate (TRL 1.16): per-rollout tools.
+    trainer._sync_tool_dicts = [{} for _ in prompts]
+    trainer._async_tool_dicts = [{"search": search} for _ in prompts]
     start = time.perf_counter()
     _, completion_ids, tool_mask, completions, *_ = trainer._generate(prompts)
     seconds = time.perf_counter() - start
-    searches = sum(len(m.get("tool_calls") or []) for c in completions for m in c if m.get("role") == "assistant")
-    return Result("", len(completion_ids), sum(sum(m) for m in tool_mask), searches, seconds)
+    assistant = [m for c in completions for m in c if m.get("role") == "assistant"]
+    print(f"  retrieval metrics: {retrieval.metrics()}", flush=True)
+    return Result("", len(completion_ids), sum(sum(m) for m in tool_mask), len(assistant),
+                  sum(len(m.get("tool_calls") or []) for m in assistant), seconds)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,14 +213,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_turns", type=int, default=3)
     parser.add_argument("--max_rollout_tokens", type=int, default=2048)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--bare_json_tool_calls", action="store_true",
-                        help="(a)/(b) also read bare-JSON tool calls (RolloutConfig.bare_json_tool_calls); the offline "
-                             "model calls tools only that way. Off by default: TRL's loop (c) cannot, so only with it "
-                             "off do all three run the same conversations")
+    parser.add_argument("--bare_json_tool_calls", action=argparse.BooleanOptionalAction, default=True,
+                        help="all three loops read bare-JSON tool calls (RolloutConfig.bare_json_tool_calls); the "
+                             "offline model calls tools only that way, so without it its rollouts are one turn")
     parser.add_argument("--transformers_dtype", default="float32", help="float32 is faster than bfloat16 on most CPUs")
-    parser.add_argument("--vllm_base_url", help="use this running vLLM server of the offline model instead of starting one")
+    parser.add_argument("--vllm_base_url", help="use this running vLLM server of the model instead of starting one")
+    parser.add_argument("--vllm_port", type=int, help="port of the vLLM server the script starts (default: a free one)")
+    parser.add_argument("--vllm_gpu", help="CUDA_VISIBLE_DEVICES of the vLLM server the script starts")
+    parser.add_argument("--model", help="model folder (default: the offline Qwen2.5-Coder-0.5B-Instruct)")
     parser.add_argument("--backends", nargs="+", default=["transformers", "vllm", "trl"],
                         choices=["transformers", "vllm", "trl"])
+    parser.add_argument("--repeats", type=int, default=1, help="runs of (a) and (c), in alternating order")
+    parser.add_argument("--out", help="append the JSON lines to this file (docs/results/rollout_throughput.jsonl)")
     args = parser.parse_args(argv)
     if args.num_questions < 2 or args.num_questions % 2:
         parser.error(f"--num_questions must be an even number >= 2, got {args.num_questions}")
@@ -169,11 +234,23 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assets = require()
-    tokenizer = AutoTokenizer.from_pretrained(assets.model)
+    model_path = args.model or assets.model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     rollout_config = RolloutConfig(max_turns=args.max_turns, max_rollout_tokens=args.max_rollout_tokens,
                                    bare_json_tool_calls=args.bare_json_tool_calls)
+    workload_row = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu x{os.cpu_count()}",
+                    "model": Path(model_path).name, "num_rollouts": args.num_questions, "max_tokens": args.max_tokens,
+                    "max_turns": args.max_turns, "temperature": args.temperature,
+                    "bare_json_tool_calls": args.bare_json_tool_calls}
     results = []
+
+    def record(result: Result) -> None:
+        results.append(result)
+        print(result.line(), flush=True)
+        report({**result.row(), **workload_row}, args.out)
+
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         samples, corpus = workload(assets, args.num_questions, work)
@@ -183,37 +260,70 @@ def main(argv: list[str] | None = None) -> None:
         with RetrieverProcess(index_path=str(index), corpus_path=str(corpus), retriever_model=assets.embedder,
                               port=free_port(), log_file=str(work / "retriever.log")) as retriever:
             print(f"{len(samples)} rollouts of {len(samples) // 2} questions, {params}, {rollout_config}", flush=True)
-            if "transformers" in args.backends:  # before vLLM starts, so they don't share the CPU
-                model = AutoModelForCausalLM.from_pretrained(assets.model, dtype=getattr(torch, args.transformers_dtype))
-                generator = TransformersGenerator(model.eval(), tokenizer, max_batch_size=len(samples))
+            if "transformers" in args.backends:  # before vLLM starts, so they don't share the device
+                model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.transformers_dtype))
+                generator = TransformersGenerator(model.to(device).eval(), tokenizer, max_batch_size=len(samples))
                 result = engine_run(tokenizer, generator, retriever.url, samples, params, rollout_config)
                 result.backend = f"(b) engine + transformers ({args.transformers_dtype})"
-                results.append(result)
-                print(result.line(), flush=True)
+                record(result)
                 del model, generator
             if {"vllm", "trl"} & set(args.backends):
-                server_config = VLLMServerConfig.for_this_machine(assets.model, port=free_port(), max_model_len=4096,
-                                                                  log_file=str(work / "vllm.log"))
+                server_config = VLLMServerConfig.for_this_machine(
+                    model_path, port=args.vllm_port or free_port(), max_model_len=4096, log_file=str(work / "vllm.log"),
+                    env={"CUDA_VISIBLE_DEVICES": args.vllm_gpu} if args.vllm_gpu is not None else {})
                 with contextlib.ExitStack() as stack:
                     base_url = args.vllm_base_url or stack.enter_context(VLLMServer(server_config)).base_url
-                    if "vllm" in args.backends:
-                        result = engine_run(tokenizer, VLLMServerGenerator(base_url), retriever.url, samples,
-                                            params, rollout_config)
-                        result.backend = "(a) engine + vLLM server"
-                        results.append(result)
-                        print(result.line(), flush=True)
-                    if "trl" in args.backends:
-                        try:
-                            result = trl_tool_loop(assets.model, base_url, retriever.url, samples, args, work)
-                            result.backend = "(c) TRL GRPOTrainer tool loop + vLLM"
-                            results.append(result)
-                            print(result.line(), flush=True)
-                        except Exception as error:  # report why, keep the other backends' numbers
-                            print(f"(c) TRL GRPOTrainer tool loop could not run: {error!r}", flush=True)
+                    warm_up(base_url)
+                    served = [b for b in ("vllm", "trl") if b in args.backends]
+                    for repeat in range(args.repeats):
+                        # Alternate the order, so neither loop always runs on the freshly started server.
+                        for backend in served if repeat % 2 == 0 else served[::-1]:
+                            workload_row["prefix_cache_reset"] = reset_prefix_cache(base_url)
+                            if backend == "vllm":
+                                result = engine_run(tokenizer, VLLMServerGenerator(base_url), retriever.url, samples,
+                                                    params, rollout_config)
+                                result.backend = "(a) engine + vLLM server"
+                                record(result)
+                                continue
+                            try:
+                                result = trl_tool_loop(model_path, base_url, retriever.url, samples, args, work)
+                                result.backend = "(c) TRL GRPOTrainer tool loop + vLLM"
+                                record(result)
+                            except Exception as error:  # report why, keep the other backends' numbers
+                                print(f"(c) TRL GRPOTrainer tool loop could not run: {error!r}", flush=True)
     print("\nsummary")
     for result in results:
         print(result.line())
+    ours = [r for r in results if r.backend.startswith("(a)")]
+    theirs = [r for r in results if r.backend.startswith("(c)")]
+    if ours and theirs:
+        def rate(runs, amount):
+            return sum(amount(r) for r in runs) / sum(r.seconds for r in runs)
 
+        print(f"(a) / (c) over {len(ours)} + {len(theirs)} runs: "
+              f"{rate(ours, lambda r: r.rollouts) / rate(theirs, lambda r: r.rollouts):.2f}x completed rollouts/s, "
+              f"{rate(ours, lambda r: r.generated_tokens) / rate(theirs, lambda r: r.generated_tokens):.2f}x "
+              f"generated tokens/s")
+
+
+def warm_up(base_url: str) -> None:
+    """One short completion, so the first timed loop does not pay for the server's first request."""
+    import httpx
+
+    model = httpx.get(f"{base_url}/v1/models", timeout=60).json()["data"][0]["id"]
+    httpx.post(f"{base_url}/v1/completions", timeout=600,
+               json={"model": model, "prompt": "Hello", "max_tokens": 8}).raise_for_status()
+
+
+def reset_prefix_cache(base_url: str) -> bool:
+    """Drop the server's prefix cache, so a loop does not reuse the KV of the previous loop's identical prompts;
+    False where the server does not offer it (plain ``vllm serve`` outside dev mode)."""
+    import httpx
+
+    try:
+        return httpx.post(f"{base_url}/reset_prefix_cache", timeout=60).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 if __name__ == "__main__":
     main()
