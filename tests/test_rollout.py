@@ -143,8 +143,8 @@ def test_still_calling_tools_after_max_turns_is_truncated_max_turns(tokenizer):
 
     assert rollout.status is RolloutStatus.TRUNCATED_MAX_TURNS
     assert rollout.status.truncated
-    assert rollout.num_turns == 2 and len(env.stepped) == 2
-    # The answer to the last call was never shown to the model, so it is not part of the rollout.
+    # The last call is never run: no turn is left to read its result, so it is neither computed nor part of the rollout.
+    assert rollout.num_turns == 2 and env.stepped == [rollout.messages[1]]
     assert [m["role"] for m in rollout.messages] == ["user", "assistant", "tool", "assistant"]
     assert rollout.messages[-1]["tool_calls"][0]["function"]["arguments"] == {"query": "b"}
 
