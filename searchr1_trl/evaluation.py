@@ -29,7 +29,7 @@ import asyncio
 import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -154,7 +154,7 @@ def build_method(name: str, tokenizer, generator: Generator, env_config: SearchR
     """The method ``name`` on ``generator``; ``direct`` and ``rag`` get one turn of ``rollout_config``'s budgets."""
     if name == "agent":
         return Method(name, RolloutEngine(tokenizer, generator, SearchR1Env(env_config), rollout_config))
-    one_turn = RolloutConfig(**{**vars(rollout_config), "max_turns": 1})
+    one_turn = replace(rollout_config, max_turns=1)
     retrieval = RetrievalClient(env_config) if name == "rag" else None
     return Method(name, RolloutEngine(tokenizer, generator, OneTurnEnv(), one_turn), retrieval)
 

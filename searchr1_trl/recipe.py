@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import typing
 from collections.abc import Callable
-from dataclasses import Field, asdict, dataclass, field, fields, replace
+from dataclasses import Field, asdict, dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +224,16 @@ TRAINER_OWNED: dict[str, tuple[Callable[[SearchR1Config], Any], str]] = {
 
 # Recipe field -> (part, knob of that part); every field declared with knob().
 KNOBS: dict[str, tuple[str, str]] = {f.name: _KNOB_FIELDS[f] for f in fields(SearchR1Config) if f in _KNOB_FIELDS}
+
+
+def knob_fields(name: str, parts: tuple[str, ...]) -> type:
+    """A dataclass of the recipe fields that set ``parts`` (same names, defaults and help), for commands that run a
+    policy the way training does (``searchr1-eval``, ``searchr1-ask``); :func:`part_config` reads it like a recipe."""
+    hints = typing.get_type_hints(SearchR1Config)
+    return make_dataclass(name, [
+        (f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
+        for f in fields(SearchR1Config) if f.name in KNOBS and KNOBS[f.name][0] in parts
+    ])
 
 
 def part_config(args: SearchR1Config, part: str) -> Any:

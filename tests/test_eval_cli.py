@@ -35,6 +35,18 @@ def eval_args(checkpoint, data, output_dir, *extra) -> list[str]:
             "--max_tokens_per_turn", "8", *extra]
 
 
+def test_the_policy_flags_are_the_recipes_with_its_defaults():
+    from dataclasses import fields
+
+    from searchr1_trl.recipe import KNOBS, SearchR1Config
+
+    recipe = {f.name: f.default for f in fields(SearchR1Config) if KNOBS.get(f.name, ("",))[0] in
+              ("env", "rollout", "sampling")}
+    assert {f.name: f.default for f in fields(eval_cli.PolicyConfig)} == recipe
+    assert {"search_url", "topk", "restate_question", "max_turns", "bare_json_tool_calls",
+            "max_tokens_per_turn"} <= set(recipe)
+
+
 def test_the_sample_is_seeded_random_across_articles_and_a_larger_one_extends_a_smaller(offline_assets):
     def sample(n, seed=0):
         config = eval_cli.EvalConfig(checkpoints=["m"], data=[offline_assets.test_questions], num_samples=n,
@@ -117,10 +129,7 @@ def test_eval_through_the_real_vllm_server_checks_the_served_model(offline_asset
 
 
 def eval_cli_configs(checkpoint, data, out, generator_url, retriever_url):
-    from searchr1_trl.env import SearchR1EnvConfig
-    from searchr1_trl.rollout import RolloutConfig
-
     config = eval_cli.EvalConfig(checkpoints=[checkpoint], data=[data], num_samples=2, output_dir=str(out),
-                                 vllm_server_base_url=[generator_url], max_tokens_per_turn=32, max_concurrency=8)
-    return config, SearchR1EnvConfig(search_url=retriever_url, restate_question=True), RolloutConfig(
-        max_turns=2, bare_json_tool_calls=True)
+                                 vllm_server_base_url=[generator_url], max_concurrency=8)
+    return config, eval_cli.PolicyConfig(search_url=retriever_url, restate_question=True, max_turns=2,
+                                         bare_json_tool_calls=True, max_tokens_per_turn=32)

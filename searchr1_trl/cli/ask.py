@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 from searchr1_trl import evaluation
 from searchr1_trl.data import SearchR1Sample
-from searchr1_trl.env import SearchR1EnvConfig
-from searchr1_trl.rollout import RolloutConfig
+from searchr1_trl.cli.eval import PolicyConfig
+from searchr1_trl.recipe import part_config
 
 
 @dataclass
@@ -34,7 +34,6 @@ class AskConfig:
     generator: str = field(
         default="vllm", metadata={"help": "`vllm`: a running `trl vllm-serve` of the checkpoint; `transformers`."})
     vllm_server_base_url: str = field(default="http://127.0.0.1:8001", metadata={"help": "With generator=vllm."})
-    max_tokens_per_turn: int = field(default=512, metadata={"help": "Generated tokens per assistant turn."})
     dtype: str = field(default="auto", metadata={"help": "With generator=transformers: weight dtype."})
 
 
@@ -49,15 +48,15 @@ def render(trace: evaluation.Trace) -> str:
     return "\n".join(lines)
 
 
-async def _answer(config: AskConfig, env_config: SearchR1EnvConfig, rollout_config: RolloutConfig,
-                  questions) -> None:
+async def _answer(config: AskConfig, policy, questions) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.checkpoint)
     generator = evaluation.policy_generator(config.generator, config.checkpoint, tokenizer,
                                             url=config.vllm_server_base_url, dtype=config.dtype)
-    method = evaluation.build_method(config.method, tokenizer, generator, env_config, rollout_config)
-    params = evaluation.greedy_params(config.max_tokens_per_turn)
+    method = evaluation.build_method(config.method, tokenizer, generator, part_config(policy, "env"),
+                                     part_config(policy, "rollout"))
+    params = evaluation.greedy_params(policy.max_tokens_per_turn)
     try:
         for question in questions:
             if not question.strip():
@@ -93,17 +92,17 @@ def _stdin_questions():
 def main(argv: list[str] | None = None) -> None:
     from trl import TrlParser
 
-    parser = TrlParser((AskConfig, SearchR1EnvConfig, RolloutConfig), description=__doc__,
+    parser = TrlParser((AskConfig, PolicyConfig), description=__doc__,
                        formatter_class=_HelpFormatter, prog="searchr1-ask")
     logging.basicConfig(level=logging.WARNING, format="[searchr1-ask] %(message)s")
     try:
-        config, env_config, rollout_config = parser.parse_args_and_config(args=argv)
+        config, policy = parser.parse_args_and_config(args=argv)
         if not config.checkpoint:
             raise ValueError("give --checkpoint (a model folder or Hub id; see --help)")
         if config.method not in evaluation.METHODS:
             raise ValueError(f"method={config.method!r}; expected one of {', '.join(evaluation.METHODS)}")
         questions = [config.question] if config.question is not None else _stdin_questions()
-        asyncio.run(_answer(config, env_config, rollout_config, questions))
+        asyncio.run(_answer(config, policy, questions))
     except ValueError as error:
         sys.exit(f"error: {error}")
 

@@ -8,8 +8,9 @@
 
 Methods (searchr1_trl/evaluation.py): ``direct`` answers closed-book, ``rag`` reads the top-k passages for the question
 pasted into its prompt (one turn), ``agent`` is the multi-turn search rollout the policy is trained on; all greedy,
-with the same retriever, top-k and budgets. Give the agent the env and rollout settings it was trained with
-(``--restate_question``, ``--bare_json_tool_calls``, ``--max_turns``, ``--topk``, ``--max_tokens_per_turn``).
+with the same retriever, top-k and budgets. The env and rollout flags are the training recipe's (same names and
+defaults): give the agent the values it was trained with (the offline recipes: ``--restate_question true
+--bare_json_tool_calls true --max_turns 3 --topk 3 --max_tokens_per_turn 128``).
 
 Questions: from each data file, each ``data_source`` separately, a seeded random sample of ``num_samples`` rows
 (the first ``num_samples`` of one seeded permutation, so a larger sample extends a smaller one), not the first rows.
@@ -39,8 +40,10 @@ from pathlib import Path
 
 from searchr1_trl import evaluation
 from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
-from searchr1_trl.env import SearchR1EnvConfig
-from searchr1_trl.rollout import RolloutConfig
+from searchr1_trl.recipe import knob_fields, part_config
+
+# The recipe's env, rollout and per-turn fields, with its names, defaults and help: the agent runs as it trained.
+PolicyConfig = knob_fields("PolicyConfig", ("env", "rollout", "sampling"))
 
 logger = logging.getLogger("searchr1-eval")
 
@@ -49,7 +52,7 @@ TRACES_FILE, RESULTS_JSON, RESULTS_MD = "traces.jsonl", "results.json", "results
 
 @dataclass
 class EvalConfig:
-    """What to evaluate and where the results go; the env (retrieval) and rollout budgets are their own configs."""
+    """What to evaluate and where the results go; how the policy runs is :data:`PolicyConfig`, the recipe's fields."""
 
     checkpoints: list[str] = field(
         default_factory=list, metadata={"help": "Model folders or Hub ids; one table row per method x checkpoint."})
@@ -70,7 +73,6 @@ class EvalConfig:
     vllm_server_base_url: list[str] = field(
         default_factory=lambda: ["http://127.0.0.1:8001"],
         metadata={"help": "With generator=vllm: the server of each checkpoint, in the order of `checkpoints`."})
-    max_tokens_per_turn: int = field(default=512, metadata={"help": "Generated tokens per assistant turn."})
     max_concurrency: int = field(default=256, metadata={"help": "Rollouts in flight at once."})
     dtype: str = field(
         default="auto", metadata={"help": "With generator=transformers: weight dtype (auto: bfloat16 on GPU, "
@@ -221,8 +223,7 @@ def trace_record(key: str, checkpoint: str, trace: evaluation.Trace) -> dict:
     return {"key": key, "checkpoint": checkpoint, **asdict(trace)}
 
 
-async def _evaluate_checkpoint(config: EvalConfig, env_config: SearchR1EnvConfig, rollout_config: RolloutConfig,
-                               index: int, pending: dict[str, list[tuple[str, SearchR1Sample]]], total: int,
+async def _evaluate_checkpoint(config: EvalConfig, policy, index: int, pending: dict[str, list[tuple[str, SearchR1Sample]]], total: int,
                                traces: TraceFile) -> None:
     """The missing traces of one checkpoint, method after method, each written as soon as it is finished."""
     from tqdm.auto import tqdm
@@ -231,7 +232,8 @@ async def _evaluate_checkpoint(config: EvalConfig, env_config: SearchR1EnvConfig
     checkpoint = config.checkpoints[index]
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     generator = make_generator(config, checkpoint, index, tokenizer)
-    params = evaluation.greedy_params(config.max_tokens_per_turn)
+    params = evaluation.greedy_params(policy.max_tokens_per_turn)
+    env_config, rollout_config = part_config(policy, "env"), part_config(policy, "rollout")
     try:
         for name, todo in pending.items():
             if not todo:
@@ -254,7 +256,7 @@ async def _evaluate_checkpoint(config: EvalConfig, env_config: SearchR1EnvConfig
         await generator.aclose()
 
 
-def evaluate(config: EvalConfig, env_config: SearchR1EnvConfig, rollout_config: RolloutConfig) -> list[dict]:
+def evaluate(config: EvalConfig, policy) -> list[dict]:
     """Generate every missing trace, then write results.json and results.md; returns the table rows."""
     questions = load_questions(config)
     per_source: dict[str, int] = defaultdict(int)
@@ -269,7 +271,7 @@ def evaluate(config: EvalConfig, env_config: SearchR1EnvConfig, rollout_config: 
             if not any(pending.values()):
                 logger.info("%s: every trace is already in %s", checkpoint, traces.path)
                 continue
-            asyncio.run(_evaluate_checkpoint(config, env_config, rollout_config, index, pending, len(questions),
+            asyncio.run(_evaluate_checkpoint(config, policy, index, pending, len(questions),
                                              traces))
     finally:
         traces.close()
@@ -277,7 +279,7 @@ def evaluate(config: EvalConfig, env_config: SearchR1EnvConfig, rollout_config: 
     records = [r for r in traces.records.values() if r["key"] in keys]
     rows = results(records, config.methods)
     (out / RESULTS_JSON).write_text(json.dumps({
-        "config": asdict(config), "env": asdict(env_config), "rollout": asdict(rollout_config),
+        "config": asdict(config), "policy": asdict(policy),
         "num_samples_per_source": dict(per_source), "results": rows,
     }, indent=2))
     (out / RESULTS_MD).write_text(markdown_table(rows, dict(per_source)))
@@ -291,14 +293,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 def main(argv: list[str] | None = None) -> None:
     from trl import TrlParser
 
-    parser = TrlParser((EvalConfig, SearchR1EnvConfig, RolloutConfig), description=__doc__,
+    parser = TrlParser((EvalConfig, PolicyConfig), description=__doc__,
                        formatter_class=_HelpFormatter, prog="searchr1-eval")
     logging.basicConfig(level=logging.INFO, format="[searchr1-eval] %(message)s")
     try:
-        config, env_config, rollout_config = parser.parse_args_and_config(args=argv)
+        config, policy = parser.parse_args_and_config(args=argv)
         if not config.checkpoints or not config.data:
             raise ValueError("give --checkpoints and --data (see --help)")
-        rows = evaluate(config, env_config, rollout_config)
+        rows = evaluate(config, policy)
     except ValueError as error:
         sys.exit(f"error: {error}")
     out = Path(config.output_dir)
