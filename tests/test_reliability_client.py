@@ -169,6 +169,7 @@ def test_default_retries_wait_longer_than_a_retriever_restart_and_end_before_the
     assert config.deadline_s < RolloutConfig().step_timeout_s
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 def test_searches_survive_a_retriever_killed_mid_batch_and_restarted(retriever_server, tmp_path, reliability_figures):
     """SIGKILL while a batch of 64 long queries is being searched, restart on the same port; with the default
     retries every search of the batch, and of one sent during the outage, still gets its passages."""

@@ -73,6 +73,7 @@ def _group(pgid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 def test_servers_die_with_a_parent_killed_by_sigkill(retriever_server, reliability_figures):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     parent = subprocess.Popen([sys.executable, "-c", PARENT, retriever_server.index_path, retriever_server.corpus_path,

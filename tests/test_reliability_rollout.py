@@ -77,6 +77,7 @@ def run(tokenizer, env: SearchR1Env, first: list[str]):
 READ_AS_ANSWER_OR_ANSWERED = {"bare JSON, 990 nested", "bare JSON, 5,000 digits", "arguments as a JSON string nested 990"}
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 @pytest.mark.parametrize("shape", [*F1_SHAPES, *F2_SHAPES])
 def test_a_malformed_turn_ends_only_its_own_rollout_and_costs_no_other_search(tokenizer, retriever_url, shape,
                                                                               reliability_figures):
@@ -132,6 +133,7 @@ completion = st.one_of(
 USER = {"role": "user", "content": "Question: q"}
 
 
+@pytest.mark.slow  # 10,000 completions through the tokenizer and chat template: about a minute
 def test_ten_thousand_fuzzed_completions_parse_step_and_render_without_raising(tokenizer, reliability_figures):
     """Property: any turn either fails to parse (the rollout's ERROR_PARSE) or gives a message the environment
     answers and the chat template renders, together with the environment's answer."""

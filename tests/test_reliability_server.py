@@ -80,6 +80,7 @@ def test_a_big_request_is_served_in_slices_with_newcomers_first():
     assert "small" in order[1], order  # right after the slice that was running when it arrived
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 def test_a_lone_surrogate_query_gets_422_naming_it_and_its_batchmates_are_answered(retriever_url, base_url):
     good = json.dumps({"queries": ["Who won Super Bowl 50?"], "topk": 3})
     bodies = [POISON if i % 5 == 0 else good for i in range(40)]
@@ -100,6 +101,7 @@ def test_a_lone_surrogate_query_gets_422_naming_it_and_its_batchmates_are_answer
     assert after['rejected_total{status="422"}'] - before.get('rejected_total{status="422"}', 0) == 8
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 @pytest.mark.parametrize(("body", "detail"), [
     (b"[" * 100_000 + b"]" * 100_000, "body: JSON nested too deeply"),
     (b'{"queries": ["q"], "topk": 1' + b"0" * 5000 + b"}", "body: unreadable JSON value"),
@@ -148,6 +150,7 @@ bodies = st.one_of(
 )
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 def test_two_thousand_fuzzed_bodies_get_no_5xx_and_every_4xx_names_its_field(retriever_url, base_url,
                                                                              reliability_figures):
     statuses: list[int] = []
@@ -180,6 +183,7 @@ def test_two_thousand_fuzzed_bodies_get_no_5xx_and_every_4xx_names_its_field(ret
     assert rejected == sum(s >= 400 for s in statuses)  # every rejection counted
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 def test_a_request_whose_client_leaves_is_cancelled(retriever_url, base_url):
     heavy = {"queries": [f"{i} " + "long query about the history of the Amazon rainforest " * 18 for i in range(1024)],
              "topk": 4}
@@ -198,6 +202,7 @@ def test_a_request_whose_client_leaves_is_cancelled(retriever_url, base_url):
     assert after["dropped_queries_total"] - before["dropped_queries_total"] > 512
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 def test_no_api_docs_are_served_and_health_shows_no_paths(base_url):
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(f"{base_url}{path}").status_code == 404
@@ -207,6 +212,7 @@ def test_no_api_docs_are_served_and_health_shows_no_paths(base_url):
     assert "/" not in json.dumps(health)
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 def test_metrics_are_prometheus_text(base_url):
     response = httpx.get(f"{base_url}/metrics")
 
@@ -288,6 +294,7 @@ async def _load(port: int, questions: list[str], seconds: float, extra: str | No
             "extra_statuses": sorted(set(extra_statuses)), "extra_requests": len(extra_statuses)}
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 def test_64_good_clients_are_all_answered_beside_poison_and_a_heavy_request(retriever_url, base_url,
                                                                              squad_dev_sample, reliability_figures):
     questions = squad_dev_sample[1]["question"].tolist()

@@ -70,6 +70,7 @@ def questions_file(squad_dev_sample, tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 @pytest.mark.parametrize(("mode", "resumed_from"), [("after", 2), ("during", 1)])
 def test_a_run_killed_after_or_during_a_checkpoint_resumes_exactly(tiny_model_dir, questions_file, retriever_url,
                                                                   tmp_path, mode, resumed_from, reliability_figures):
@@ -105,6 +106,7 @@ def test_resume_refuses_an_incomplete_checkpoint_by_name_and_skips_it_when_asked
     assert trainer_module.newest_complete_checkpoint(str(tmp_path)) is None
 
 
+@pytest.mark.slow  # starts or uses the real retrieval server
 def test_the_weight_sync_folder_is_replaced_when_ours_and_refused_when_not(tiny_model_dir, questions_file,
                                                                           retriever_url, tmp_path, monkeypatch):
     reloads = []
