@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = TrlParser((EvalConfig, PolicyConfig), description=__doc__,
                        formatter_class=_HelpFormatter, prog="searchr1-eval")
     logging.basicConfig(level=logging.INFO, format="[searchr1-eval] %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the progress bar
     try:
         config, policy = parser.parse_args_and_config(args=argv)
         if not config.checkpoints or not config.data:
