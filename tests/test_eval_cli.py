@@ -110,6 +110,17 @@ def test_a_killed_evaluation_keeps_every_finished_trace_and_the_rerun_adds_only_
     print(f"killed after {finished.count(chr(10))} of 40 traces; the rerun added {40 - finished.count(chr(10))}")
 
 
+def test_a_rerun_with_other_policy_settings_is_refused_instead_of_mixing_traces(tiny_model_dir, two_source_questions,
+                                                                               tmp_path):
+    args = eval_args(tiny_model_dir, two_source_questions, tmp_path, "--num_samples", "1", "--methods", "direct",
+                     "--generator", "transformers")
+    eval_cli.main(args)
+    eval_cli.main([*args, "--num_samples", "2"])  # a larger sample of the same settings extends the table
+    with pytest.raises(SystemExit, match=r"holds traces made with other settings \(topk 3 -> 5\)"):
+        eval_cli.main([*args, "--topk", "5"])
+    assert len((tmp_path / "traces.jsonl").read_text().splitlines()) == 2 * 2
+
+
 @pytest.mark.slow
 def test_eval_through_the_real_vllm_server_checks_the_served_model(offline_assets, vllm_server,
                                                                    two_source_questions, retriever_url, tmp_path,

@@ -20,7 +20,8 @@ query and passage titles, status, the conversation), ``results.json`` (per row: 
 average, searches and turns per rollout, status fractions) and ``results.md`` (the table: rows method x
 checkpoint, columns data sources + average). Every finished trace is on disk at once: rerun the same command after
 a crash and only the missing ones are generated. The table holds every checkpoint evaluated into ``output_dir`` on
-this sample, so checkpoints served one at a time (one vLLM server each) end up in one table.
+this sample, so checkpoints served one at a time (one vLLM server each) end up in one table; ``settings.json``
+refuses a rerun whose sample seed or policy settings differ (its traces would not be comparable).
 
 Generators: ``vllm`` posts to a running ``trl vllm-serve`` that serves the checkpoint (one checkpoint per URL in
 ``vllm_server_base_url``); ``transformers`` loads each checkpoint in-process (GPU if there is one).
@@ -47,7 +48,7 @@ PolicyConfig = knob_fields("PolicyConfig", ("env", "rollout", "sampling"))
 
 logger = logging.getLogger("searchr1-eval")
 
-TRACES_FILE, RESULTS_JSON, RESULTS_MD = "traces.jsonl", "results.json", "results.md"
+TRACES_FILE, RESULTS_JSON, RESULTS_MD, SETTINGS_FILE = "traces.jsonl", "results.json", "results.md", "settings.json"
 
 
 @dataclass
@@ -162,6 +163,24 @@ class TraceFile:
         self._file.close()
 
 
+def _check_settings(path: Path, settings: dict) -> None:
+    """Record how the traces in this folder are made; ValueError when a rerun would mix in traces made otherwise.
+
+    Checkpoints, methods, data files and sample sizes may change between runs (the table collects them); the sample
+    seed and the policy's settings (retriever, top-k, budgets, prompt switches) may not.
+    """
+    if path.exists():
+        recorded = json.loads(path.read_text())
+        changed = {k: (recorded.get(k), v) for k, v in settings.items() if recorded.get(k) != v}
+        if changed:
+            described = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            raise ValueError(f"{path.parent} holds traces made with other settings ({described}); use another "
+                             f"output_dir or the same settings")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=2))
+
+
 # ---- generation ------------------------------------------------------------------------------------------------
 
 
@@ -263,6 +282,7 @@ def evaluate(config: EvalConfig, policy) -> list[dict]:
     for _, sample in questions:
         per_source[sample.data_source] += 1
     out = Path(config.output_dir)
+    _check_settings(out / SETTINGS_FILE, {"sample_seed": config.sample_seed, **asdict(policy)})
     traces = TraceFile(out / TRACES_FILE)
     try:
         for index, checkpoint in enumerate(config.checkpoints):
