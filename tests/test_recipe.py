@@ -113,6 +113,14 @@ def test_a_gpu_recipe_on_a_machine_without_cuda_stops_in_one_line_naming_the_nee
     check_machine(recipe, {"bf16": "true", "use_cpu": "true", "weight_sync": "reload"})  # forced onto the CPU
 
 
+def test_train_help_names_the_shipped_recipes_then_every_field(capsys):
+    with pytest.raises(SystemExit) as stop:
+        train_main(["--help"])
+    assert stop.value.code == 0
+    shown = capsys.readouterr().out
+    assert "Shipped recipes" in shown and "qwen3_8b" in shown and "--restate_question" in shown
+
+
 def test_plan_names_a_missing_data_file_and_unreachable_servers(tmp_path):
     args, model_args = parse_recipe("qwen3_1_7b", "--train_data_path", str(tmp_path / "nope.parquet"))
     with pytest.raises(PlanError, match="train_data_path=.*nope.parquet does not exist"):

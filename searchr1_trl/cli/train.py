@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> None:
         recipe = Path(argv[argv.index("--config") + 1]).stem if "--config" in argv else "command line"
         # Before the config exists: TrainingArguments refuses bf16 without a GPU in a traceback that names neither
         # the recipe nor what to run instead.
-        check_machine(recipe, _raw_values(argv))
+        if {"-h", "--help"} & set(argv):
+            print(__doc__)  # then the fields, from the parser
+        else:
+            check_machine(recipe, _raw_values(argv))
         try:
             args, model_args = load_recipe(argv)
         except ValueError as error:  # a field the trainer owns, a bad value: one line, not a traceback
