@@ -37,9 +37,7 @@ import httpx
 from searchr1_trl.env import (
     QUESTION_SEPARATOR, RESTATEMENT, RetrievalClient, SearchR1Env, SearchR1EnvConfig, _query_from_arguments,
 )
-from searchr1_trl.generation import (
-    Generator, SamplingParams, TransformersGenerator, VLLMServerGenerator, end_token_ids,
-)
+from searchr1_trl.generation import Generator, SamplingParams, TransformersGenerator, VLLMServerGenerator, end_token_ids
 from searchr1_trl.rollout import EnvStep, MessageEnv, Rollout, RolloutConfig, RolloutEngine, RolloutStatus
 from searchr1_trl.rubric import RewardExactMatch, final_answer
 
@@ -106,7 +104,8 @@ class OneTurnEnv(MessageEnv):
     """No tools, one turn: the first assistant message is the final answer. The prompt is the closed-book one
     unless the caller passes its own messages (``rag``)."""
 
-    tools: list[dict] = []
+    def __init__(self):
+        self.tools: list[dict] = []
 
     def initial_messages(self, sample) -> list[dict]:
         return [{"role": "user", "content": f"{DIRECT_INSTRUCTION}{QUESTION_SEPARATOR}{sample.question}"}]

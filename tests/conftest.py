@@ -123,3 +123,24 @@ def reliability_figures():
     yield figures
     if os.environ.get("RELIABILITY_FIGURES"):
         Path(os.environ["RELIABILITY_FIGURES"]).write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+
+
+@pytest.fixture(scope="session")
+def questions_file(squad_dev_sample, tmp_path_factory) -> str:
+    """SQuAD dev questions whose paragraphs are in the test retriever's corpus."""
+    _, questions = squad_dev_sample
+    path = tmp_path_factory.mktemp("questions") / "questions.parquet"
+    questions.to_parquet(path, index=False)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def two_source_questions(squad_dev_sample, tmp_path_factory) -> str:
+    """The test corpus's SQuAD dev questions under two data sources (by article parity), as a parquet."""
+    _, questions = squad_dev_sample
+    titles = list(dict.fromkeys(questions["title"]))
+    questions = questions.assign(data_source=["squad_even" if titles.index(t) % 2 == 0 else "squad_odd"
+                                              for t in questions["title"]])
+    path = tmp_path_factory.mktemp("eval_questions") / "questions.parquet"
+    questions.to_parquet(path, index=False)
+    return str(path)

@@ -18,18 +18,6 @@ from searchr1_trl.cli import eval as eval_cli
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def two_source_questions(squad_dev_sample, tmp_path_factory) -> str:
-    """The test corpus's SQuAD dev questions under two data sources (by article parity), as a parquet."""
-    _, questions = squad_dev_sample
-    titles = list(dict.fromkeys(questions["title"]))
-    questions = questions.assign(data_source=["squad_even" if titles.index(t) % 2 == 0 else "squad_odd"
-                                              for t in questions["title"]])
-    path = tmp_path_factory.mktemp("eval_questions") / "questions.parquet"
-    questions.to_parquet(path, index=False)
-    return str(path)
-
-
 def eval_args(checkpoint, data, output_dir, *extra) -> list[str]:
     return ["--checkpoints", str(checkpoint), "--data", data, "--output_dir", str(output_dir),
             "--max_tokens_per_turn", "8", *extra]

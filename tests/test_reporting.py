@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from test_trainer import small_config
 
 from searchr1_trl.trainer import SearchR1Trainer
-
-from test_trainer import questions_file, small_config  # noqa: F401 (questions_file: a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,7 @@ def test_a_wandb_run_records_the_rollout_and_em_metrics(reported_run):
 def test_the_model_card_holds_recipe_data_retriever_and_final_em(reported_run, questions_file, retriever_url):
     trainer, _ = reported_run
     trainer.create_model_card()
-    card = (trainer.args.output_dir + "/README.md")
-    text = open(card).read()
+    text = (Path(trainer.args.output_dir) / "README.md").read_text()
     final = [e for e in trainer.state.log_history if "eval_em" in e][-1]
     assert "- recipe: `offline`" in text
     assert f"- training questions: `{questions_file}`" in text

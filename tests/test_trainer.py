@@ -20,15 +20,6 @@ from searchr1_trl.vllm_server import reload_weights
 # ---- the whole stack -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def questions_file(squad_dev_sample, tmp_path_factory) -> str:
-    """SQuAD dev questions whose paragraphs are in the test retriever's corpus."""
-    _, questions = squad_dev_sample
-    path = tmp_path_factory.mktemp("questions") / "questions.parquet"
-    questions.to_parquet(path, index=False)
-    return str(path)
-
-
 def small_config(tmp_path, questions_file, retriever_url, **overrides) -> SearchR1Config:
     values = dict(
         output_dir=str(tmp_path / "run"), use_cpu=True, max_steps=1, per_device_train_batch_size=2,

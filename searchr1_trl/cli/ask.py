@@ -20,8 +20,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from searchr1_trl import evaluation
-from searchr1_trl.data import SearchR1Sample
 from searchr1_trl.cli.eval import PolicyConfig
+from searchr1_trl.data import SearchR1Sample
 from searchr1_trl.recipe import part_config
 
 
