@@ -49,6 +49,18 @@ def test_the_sample_is_seeded_random_across_articles_and_a_larger_one_extends_a_
     assert sample(24, seed=1) != twenty_four
 
 
+def test_the_500_question_sample_of_seed_0_is_the_offline_gpu_recipes_validation_sample(offline_assets):
+    from searchr1_trl.recipe import build_task, load_recipe
+
+    args, _ = load_recipe(["--config", "offline_gpu", "--use_cpu", "true", "--eval_data_path",
+                           offline_assets.test_questions])
+    validation = [s.question for s in build_task(args).eval_samples]
+    config = eval_cli.EvalConfig(checkpoints=["m"], data=[offline_assets.test_questions], num_samples=500,
+                                 sample_seed=0)
+    assert [s.question for _, s in eval_cli.load_questions(config)] == validation
+    assert len(validation) == args.eval_num_samples == 500
+
+
 def test_eval_writes_a_table_per_method_and_source_json_and_one_trace_per_question(tiny_model_dir,
                                                                                    two_source_questions,
                                                                                    retriever_url, tmp_path):
