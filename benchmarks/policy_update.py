@@ -19,12 +19,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from benchmarks.report import report
+from benchmarks.zero3_update import synthetic_rollouts
 from searchr1_trl.assets import require
 from searchr1_trl.generation import SamplingParams, TransformersGenerator
 from searchr1_trl.shapes import random_model
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
-from benchmarks.report import report
-from benchmarks.zero3_update import synthetic_rollouts
 
 
 def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
@@ -76,10 +76,11 @@ def policy_update(args, peak_tflops: float, work: Path) -> dict:
     tokens_per_s = args.batch * args.seq / step_s
     return {
         "measure": "policy_update", "model": args.model, "params_b": round(params / 1e9, 3), "batch": args.batch,
-        "seq": args.seq, "attn": args.attn, "dtype": args.dtype, "activation_checkpointing": args.activation_checkpointing,
-        "step_s": round(step_s, 3), "tokens_per_s": round(tokens_per_s), "peak_mem_gib":
-        round(torch.cuda.max_memory_allocated() / 2**30, 1), "mfu": round(6 * params * tokens_per_s / 1e12 / peak_tflops, 3),
-        "peak_bf16_tflops": round(peak_tflops),
+        "seq": args.seq, "attn": args.attn, "dtype": args.dtype,
+        "activation_checkpointing": args.activation_checkpointing,
+        "step_s": round(step_s, 3), "tokens_per_s": round(tokens_per_s),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        "mfu": round(6 * params * tokens_per_s / 1e12 / peak_tflops, 3), "peak_bf16_tflops": round(peak_tflops),
     }
 
 
@@ -113,7 +114,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--attn", default="sdpa")
-    parser.add_argument("--dtype", default="float32", help="weight dtype (float32 = fp32 master weights + bf16 autocast)")
+    parser.add_argument("--dtype", default="float32",
+                        help="weight dtype (float32 = fp32 master weights + bf16 autocast)")
     parser.add_argument("--activation_checkpointing", action="store_true")
     parser.add_argument("--generation", action="store_true", help="also measure in-process generation")
     parser.add_argument("--gen_batch", type=int, default=64)

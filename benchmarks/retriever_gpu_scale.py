@@ -2,7 +2,8 @@
 ``--faiss_gpu --gpu_backend torch`` loads): 21M x 768 random normalised fp16 vectors, batches of 1 to 512 queries.
 Prints latency, queries/s and the memory-bandwidth floor (index bytes / measured device copy bandwidth) as JSON lines.
 
-    python -m benchmarks.retriever_gpu_scale --num_vectors 21000000 --dim 768 --out docs/results/retriever_gpu_scale.jsonl
+    python -m benchmarks.retriever_gpu_scale --num_vectors 21000000 --dim 768 \\
+        --out docs/results/retriever_gpu_scale.jsonl
 """
 
 import argparse
@@ -11,8 +12,8 @@ import time
 import numpy as np
 import torch
 
-from retriever_server.index import TorchFlatIndex
 from benchmarks.report import report
+from retriever_server.index import TorchFlatIndex
 
 
 def copy_bandwidth_gbs(device, gib: int = 8) -> float:
@@ -34,7 +35,7 @@ def random_index(num_vectors: int, dim: int) -> TorchFlatIndex:
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     bounds = np.linspace(0, num_vectors, len(devices) + 1).astype(int)
     shards = []
-    for a, b, device in zip(bounds, bounds[1:], devices):
+    for a, b, device in zip(bounds[:-1], bounds[1:], devices, strict=True):
         shard = torch.empty(b - a, dim, dtype=torch.float16, device=device)
         for start in range(0, b - a, 1 << 20):  # generate in chunks: fp32 randn of 21M x 768 would not fit
             block = torch.randn(min(1 << 20, b - a - start), dim, device=device)

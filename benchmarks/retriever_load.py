@@ -81,7 +81,7 @@ class Connection:
     def __init__(self, port: int, path: str):
         self.port, self.path = port, path
 
-    async def __aenter__(self) -> "Connection":
+    async def __aenter__(self) -> Connection:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         return self
 

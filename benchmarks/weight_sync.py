@@ -157,8 +157,10 @@ def main() -> None:
         "trainer_delta_mean": round(trainer_delta.mean().item(), 4),
         "server_delta_mean": round(server_delta.mean().item(), 4),
         "delta_correlation": round(torch.corrcoef(torch.stack([trainer_delta, server_delta]))[0, 1].item(), 4),
-        "same_sign_where_moved": round((trainer_delta[moved].sign() == server_delta[moved].sign()).float().mean().item(), 4)
-        if moved.any() else None,
+        "same_sign_where_moved": (
+            round((trainer_delta[moved].sign() == server_delta[moved].sign()).float().mean().item(), 4)
+            if moved.any() else None
+        ),
         "first_push_s": round(first_push_s, 3), "push_s_median": round(statistics.median(push_s), 3),
         **({"init_communicator_s": round(init_s, 2)} if client is not None else {}),
     }

@@ -25,10 +25,10 @@ import torch
 from accelerate import PartialState
 from transformers import AutoTokenizer
 
+from benchmarks.report import report
 from searchr1_trl.assets import require
 from searchr1_trl.shapes import random_model
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
-from benchmarks.report import report
 
 
 def synthetic_rollouts(rows: int, seq: int, prompt: int, vocab: int, seed: int) -> dict:
@@ -86,7 +86,8 @@ def main() -> None:
         config = SearchR1Config(
             output_dir=str(Path(work) / "run"), generator="transformers", train_data_path=str(questions),
             per_device_train_batch_size=args.per_device_batch, gradient_accumulation_steps=1,
-            num_generations=args.per_device_batch, max_steps=args.steps, learning_rate=1e-6, bf16=torch.cuda.is_available(),
+            num_generations=args.per_device_batch, max_steps=args.steps, learning_rate=1e-6,
+            bf16=torch.cuda.is_available(),
             logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", seed=args.seed,
             activation_checkpointing=args.activation_checkpointing,
         )

@@ -61,13 +61,13 @@ def embed_corpus(corpus: Corpus, encoder: Encoder, config: BuildConfig) -> list[
     contents = corpus.table.column("contents")
     starts = range(0, len(corpus), config.shard_size)
     paths = [folder / f"shard_{i:06d}.npy" for i in range(len(starts))]
-    done = sum(min(config.shard_size, len(corpus) - s) for s, p in zip(starts, paths) if p.exists())
+    done = sum(min(config.shard_size, len(corpus) - s) for s, p in zip(starts, paths, strict=True) if p.exists())
     if done:
         logger.info("resuming: %d of %d passages already embedded in %s", done, len(corpus), folder)
     # Several forward passes per call: long enough to sort by length, short enough for a lively progress bar.
     step = encoder.config.encode_batch_size * 8
     with tqdm(total=len(corpus), initial=done, unit="passage", desc="embedding", mininterval=5) as progress:
-        for start, path in zip(starts, paths):
+        for start, path in zip(starts, paths, strict=True):
             if path.exists():
                 continue
             texts = contents.slice(start, config.shard_size).to_pylist()

@@ -123,7 +123,7 @@ class TorchFlatIndex:
         self.chunk_rows = chunk_rows
 
     @classmethod
-    def from_vectors(cls, vectors, devices: list | None = None) -> "TorchFlatIndex":
+    def from_vectors(cls, vectors, devices: list | None = None) -> TorchFlatIndex:
         """Shard ``vectors`` (numpy or torch, n x d) row-wise over ``devices`` (default: every visible GPU)."""
         import torch
 
@@ -132,13 +132,14 @@ class TorchFlatIndex:
             raise RuntimeError("--gpu_backend torch needs at least one visible GPU")
         vectors = torch.as_tensor(vectors)
         bounds = np.linspace(0, len(vectors), len(devices) + 1).astype(int)
-        return cls([vectors[a:b].to(device, torch.float16) for a, b, device in zip(bounds, bounds[1:], devices)])
+        pieces = zip(bounds[:-1], bounds[1:], devices, strict=True)
+        return cls([vectors[a:b].to(device, torch.float16) for a, b, device in pieces])
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
         best_scores, best_rows = [], []
-        for shard, offset in zip(self.shards, self.offsets):
+        for shard, offset in zip(self.shards, self.offsets, strict=True):
             x = torch.as_tensor(queries, device=shard.device).to(torch.float16)
             for start in range(0, len(shard), self.chunk_rows):
                 scores = x @ shard[start:start + self.chunk_rows].T
@@ -164,7 +165,7 @@ class Corpus:
         self.table = table.cast(large).combine_chunks()
 
     @classmethod
-    def load(cls, path: str) -> "Corpus":
+    def load(cls, path: str) -> Corpus:
         """Read wiki-18-format JSONL (one ``{"id", "contents"}`` per line) or a Parquet file with those columns."""
         if Path(path).suffix == ".parquet":
             return cls(pq.read_table(path))

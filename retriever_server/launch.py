@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import httpx
 
-
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -46,7 +45,7 @@ class RetrieverProcess:
                 self.corpus_path, "--retriever_model", self.retriever_model, "--port", str(self.port),
                 *self.extra_args]
 
-    def __enter__(self) -> "RetrieverProcess":
+    def __enter__(self) -> RetrieverProcess:
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **self.env}, preexec_fn=_die_with_parent)

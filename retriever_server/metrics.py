@@ -65,7 +65,7 @@ class Metrics:
         latencies = np.asarray(self._latencies_s)
         quantiles = np.percentile(latencies, [50, 90, 99]) if len(latencies) else [float("nan")] * 3
         metric("latency_seconds_recent", "summary", "Body read to response built, over recent requests.",
-               {**{f'{{quantile="{q}"}}': v for q, v in zip(("0.5", "0.9", "0.99"), quantiles)},
+               {**{f'{{quantile="{q}"}}': v for q, v in zip(("0.5", "0.9", "0.99"), quantiles, strict=True)},
                 "_count": len(latencies)})
         for name, values in (("batch_queries_recent", self._batch_queries),
                              ("batch_requests_recent", self._batch_requests)):

@@ -5,11 +5,12 @@ Everything here is synchronous and batch-shaped; the server decides how queries 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import faiss
 import numpy as np
@@ -57,7 +58,7 @@ class Retriever:
 
     @classmethod
     def from_paths(cls, index_path: str, corpus_path: str, encoder_config: EncoderConfig,
-                   search_config: SearchConfig) -> "Retriever":
+                   search_config: SearchConfig) -> Retriever:
         meta = meta_path(index_path)
         if meta.exists():
             built_with = json.loads(meta.read_text())["encoder"]
@@ -86,4 +87,4 @@ class Retriever:
         documents = self.corpus.take(rows[keep])
         flat_scores = scores[keep].tolist()
         bounds = np.concatenate([[0], np.cumsum(keep.sum(axis=1))]).tolist()
-        return [Hits(documents[a:b], flat_scores[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        return [Hits(documents[a:b], flat_scores[a:b]) for a, b in itertools.pairwise(bounds)]

@@ -67,7 +67,8 @@ def slice_data(assets, out: Path, train_articles: int, test_articles: int, distr
             elif leads < distractors and int(row["id"]) > 20957:  # Wikipedia leads follow the SQuAD paragraphs
                 kept.append(line)
                 leads += 1
-    paths = {"corpus": str(out / "corpus.jsonl"), "train": str(out / "train.parquet"), "test": str(out / "test.parquet")}
+    paths = {"corpus": str(out / "corpus.jsonl"), "train": str(out / "train.parquet"),
+             "test": str(out / "test.parquet")}
     Path(paths["corpus"]).write_text("".join(kept))
     train.to_parquet(paths["train"], index=False)
     test.to_parquet(paths["test"], index=False)

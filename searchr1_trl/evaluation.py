@@ -35,7 +35,12 @@ from pathlib import Path
 import httpx
 
 from searchr1_trl.env import (
-    QUESTION_SEPARATOR, RESTATEMENT, RetrievalClient, SearchR1Env, SearchR1EnvConfig, _query_from_arguments,
+    QUESTION_SEPARATOR,
+    RESTATEMENT,
+    RetrievalClient,
+    SearchR1Env,
+    SearchR1EnvConfig,
+    _query_from_arguments,
 )
 from searchr1_trl.generation import Generator, SamplingParams, TransformersGenerator, VLLMServerGenerator, end_token_ids
 from searchr1_trl.rollout import EnvStep, MessageEnv, Rollout, RolloutConfig, RolloutEngine, RolloutStatus
@@ -95,7 +100,8 @@ def _searches(messages: Sequence[dict]) -> list[dict]:
                 calls.append({"query": _query_from_arguments(function.get("arguments")), "titles": []})
         elif message["role"] == "tool":
             answers.append(passage_titles(message.get("content") or ""))
-    for call, titles in zip(calls, answers):
+    # A rollout cut after its last calls has fewer tool messages than calls: those calls keep no titles.
+    for call, titles in zip(calls, answers, strict=False):
         call["titles"] = titles
     return calls
 

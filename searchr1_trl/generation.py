@@ -58,11 +58,11 @@ class SamplingParams:
             raise ValueError(f"expected temperature >= 0, 0 < top_p <= 1 and max_tokens >= 1, got {self}")
 
     @classmethod
-    def greedy(cls, max_tokens: int) -> "SamplingParams":
+    def greedy(cls, max_tokens: int) -> SamplingParams:
         """Deterministic decoding, for validation."""
         return cls(temperature=0.0, top_p=1.0, max_tokens=max_tokens)
 
-    def with_max_tokens(self, max_tokens: int) -> "SamplingParams":
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
         return replace(self, max_tokens=max_tokens)
 
 
@@ -82,7 +82,7 @@ class Generator(abc.ABC):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Generate up to ``params.max_tokens`` tokens after ``prompt_ids``."""
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 -- a default, not abstract: a generator may hold nothing to release
         """Release connections or workers; the generator may not be used afterwards."""
 
 
@@ -174,7 +174,8 @@ class VLLMServerGenerator(Generator):
         """The pooled HTTP client and the in-flight bound of the running event loop."""
         loop = asyncio.get_running_loop()
         if self._http is None or self._http_loop is not loop:
-            # Connections and semaphores belong to the loop that made them; a new loop (another asyncio.run) gets its own.
+            # Connections and semaphores belong to the loop that made them; a new loop (another asyncio.run) gets its
+            # own.
             limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency,
                                   keepalive_expiry=2.0)  # below the server's 5 s idle timeout
             self._http = httpx.AsyncClient(timeout=self.timeout_s, limits=limits)
@@ -259,12 +260,12 @@ class TransformersGenerator(Generator):
             batch = self._take_batch()
             try:
                 generations = await asyncio.to_thread(self._generate_batch, batch)
-            except Exception as error:  # reported to the callers, whose rollouts raise it
+            except Exception as error:  # noqa: BLE001 -- reported to the callers, whose rollouts raise it
                 for request in batch:
                     if not request.future.done():
                         request.future.set_exception(error)
                 continue
-            for request, generation in zip(batch, generations):
+            for request, generation in zip(batch, generations, strict=True):
                 if not request.future.done():  # done when the rollout waiting for it was cancelled
                     request.future.set_result(generation)
 
@@ -288,7 +289,8 @@ class TransformersGenerator(Generator):
         attention_mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
         # Explicit no-op values so the model's generation_config.json cannot change the distribution; the sampling
         # knobs only where they apply (transformers warns about them in greedy mode).
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "min_p": 0.0, "typical_p": 1.0}
+        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "min_p": 0.0,
+                    "typical_p": 1.0}
         config = GenerationConfig(
             max_new_tokens=max(r.params.max_tokens for r in batch),
             do_sample=params.temperature > 0,
@@ -306,10 +308,12 @@ class TransformersGenerator(Generator):
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
             )
         new_tokens = output.sequences[:, width:].tolist()
-        # `scores` are the logits after temperature/top-p (what the token was sampled from), one [batch, vocab] per step.
+        # `scores` are the logits after temperature/top-p (what the token was sampled from), one [batch, vocab] per
+        # step.
         logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in output.scores], dim=1)
         chosen = logprobs.gather(-1, output.sequences[:, width:].unsqueeze(-1).to(logprobs.device)).squeeze(-1).tolist()
-        return [self._cut(r.params.max_tokens, tokens, lps) for r, tokens, lps in zip(batch, new_tokens, chosen)]
+        rows = zip(batch, new_tokens, chosen, strict=True)
+        return [self._cut(r.params.max_tokens, tokens, lps) for r, tokens, lps in rows]
 
     def _cut(self, max_tokens: int, tokens: list[int], logprobs: list[float]) -> Generation:
         """One row of a batch: up to and including its first eos ("stop"), else its first ``max_tokens`` ("length")."""

@@ -144,7 +144,8 @@ def _assistant_message(parsed: Any) -> dict | None:
         message["reasoning_content"] = parsed["reasoning_content"]
     if calls:
         message["tool_calls"] = [
-            {"type": "function", "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})}}
+            {"type": "function",
+             "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})}}
             for c in calls
         ]
     return message
@@ -237,5 +238,6 @@ def parse_tool_call_blocks(text: str) -> dict | None:
             return None
         if not isinstance(call, dict):
             return None
-        calls.append({"type": "function", "function": {"name": call.get("name"), "arguments": call.get("arguments", {})}})
+        function = {"name": call.get("name"), "arguments": call.get("arguments", {})}
+        calls.append({"type": "function", "function": function})
     return _assistant_message({"content": text.split("<tool_call>", 1)[0], "tool_calls": calls})

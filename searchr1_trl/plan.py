@@ -16,7 +16,6 @@ import httpx
 from searchr1_trl.shapes import PUBLISHED_CONFIGS
 
 
-
 class PlanError(ValueError):
     """A recipe that cannot run as configured; the message says what to change."""
 

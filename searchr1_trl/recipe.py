@@ -4,9 +4,10 @@
 overrides: TRL's ``GRPOConfig`` with the seed recipe's defaults (DAPO loss with asymmetric clipping 0.2 / 0.28, no
 KL and no reference model, group std-normalised advantages, AdamW at lr 1e-6 with 2 warmup steps then constant,
 8 prompts x 8 generations per optimizer step, temperature 1.0, top_p 1.0, 512 tokens per turn), plus one flat field
-per knob of the task's parts. A flat field is declared with :func:`knob`, which takes its default and help text from the part's own config
-(``search_timeout_s`` is :class:`~searchr1_trl.env.SearchR1EnvConfig`'s ``timeout_s``), so every default is written
-once, beside the code it configures, and :data:`KNOBS` says which part each flat field sets.
+per knob of the task's parts. A flat field is declared with :func:`knob`, which takes its default and help text from
+the part's own config (``search_timeout_s`` is :class:`~searchr1_trl.env.SearchR1EnvConfig`'s ``timeout_s``), so
+every default is written once, beside the code it configures, and :data:`KNOBS` says which part each flat field
+sets.
 :func:`build_task` is the only place that turns the flat config into parts (torchtitan's ``rollouter.py`` is the
 model): the question streams, the environment, the rollout budgets, the sampling of training turns, the rubric and
 the generator.
@@ -45,6 +46,7 @@ from searchr1_trl.generation import (
 )
 from searchr1_trl.rollout import RolloutConfig
 from searchr1_trl.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
+
 
 def _recipes_dir() -> Path:
     """Where the shipped recipes are: ``searchr1_trl/recipes`` in an installed wheel (pyproject.toml maps
@@ -97,7 +99,7 @@ class SearchR1Config(GRPOConfig):
     """GRPOConfig plus the Search-R1 task; every field can be set from the recipe YAML or the command line."""
 
     # --- seed-recipe defaults for inherited GRPO fields ---
-    loss_type: str = field(default="dapo", metadata={"help": "GRPO loss; DAPO normalises over all tokens of the batch."})
+    loss_type: str = field(default="dapo", metadata={"help": "GRPO loss; DAPO normalises over all tokens of a batch."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping bound of the policy ratio."})
     epsilon_high: float = field(default=0.28, metadata={"help": "Upper clipping bound (DAPO's clip-higher)."})
     beta: float = field(default=0.0, metadata={"help": "KL coefficient; 0 means no reference model is loaded."})

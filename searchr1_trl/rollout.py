@@ -109,7 +109,8 @@ class RolloutConfig:
         default=240.0,
         metadata={
             "help": "Time budget of one environment step, in seconds. Keep it above the environment's own worst case "
-            "(Search-R1's retrieval gives up after its deadline_s, 180 s, and answers with empty results), so a dead tool degrades the answer instead of ending rollouts as errors."
+            "(Search-R1's retrieval gives up after its deadline_s, 180 s, and answers with empty results), so a "
+            "dead tool degrades the answer instead of ending rollouts as errors."
         },
     )
     enable_thinking: bool = field(
@@ -207,7 +208,8 @@ class RolloutEngine:
             message = None if generation.finish_reason == "length" else self._parse(generation.token_ids, sequence)
             if message is None:
                 messages.append({"role": "assistant", "content": self._decode(generation.token_ids)})
-                status = RolloutStatus.TRUNCATED_LENGTH if generation.finish_reason == "length" else RolloutStatus.ERROR_PARSE
+                cut = generation.finish_reason == "length"
+                status = RolloutStatus.TRUNCATED_LENGTH if cut else RolloutStatus.ERROR_PARSE
                 break
             messages.append(message)
             if message.get("tool_calls") and num_turns >= self.config.max_turns:

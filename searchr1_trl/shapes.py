@@ -10,7 +10,8 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
     ),
     "Qwen/Qwen3-8B": dict(
         model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960,
     ),
     "Qwen/Qwen3-30B-A3B": dict(
         model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -20,7 +21,8 @@ PUBLISHED_CONFIGS: dict[str, dict] = {
     # The seed's 30B dense model with 2 KV heads; its other numbers are a Qwen3-style 30B stand-in.
     "meta-models/Muse-Glimmer-30B": dict(
         model_type="qwen3", hidden_size=6144, intermediate_size=20480, num_hidden_layers=60, num_attention_heads=48,
-        num_key_value_heads=2, head_dim=128, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+        num_key_value_heads=2, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+        max_position_embeddings=40960,
     ),
 }
 

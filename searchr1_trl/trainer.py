@@ -40,8 +40,8 @@ from pathlib import Path
 import datasets
 import torch
 from accelerate.utils import gather_object
-from transformers import TrainerCallback
 from tqdm.auto import tqdm
+from transformers import TrainerCallback
 from transformers.trainer import rotate_checkpoints
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer

@@ -12,6 +12,7 @@ with the old weights is reused. On CUDA clusters TRL's NCCL path is the faster c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -41,8 +42,9 @@ class VLLMServerConfig:
     tensor_parallel_size: int = field(default=1, metadata={"help": "Generator tensor parallel size."})
     dtype: str = field(
         default="auto",
-        metadata={"help": "Weight dtype. On a CPU without bf16 matrix instructions (AVX2 only) use float32: the offline "
-                          "0.5B decodes 3x faster at batch 8 (benchmarks/vllm_cpu_dtype.py: 26.4 vs 8.5 tokens/s)."},
+        metadata={"help": "Weight dtype. On a CPU without bf16 matrix instructions (AVX2 only) use float32: the "
+                          "offline 0.5B decodes 3x faster at batch 8 (benchmarks/vllm_cpu_dtype.py: 26.4 vs 8.5 "
+                          "tokens/s)."},
     )
     enforce_eager: bool = field(
         default=False, metadata={"help": "Skip graph compilation: starts faster on CPU, generates a bit slower."}
@@ -50,14 +52,16 @@ class VLLMServerConfig:
     cpu_kv_cache_gib: int = field(default=2, metadata={"help": "VLLM_CPU_KVCACHE_SPACE on CPU builds (GiB)."})
     startup_timeout_s: float = field(default=600.0, metadata={"help": "How long to wait for /health."})
     log_file: str | None = field(default=None, metadata={"help": "Where the server's output goes (default: inherit)."})
-    env: dict[str, str] = field(default_factory=dict, metadata={"help": "Extra environment, e.g. CUDA_VISIBLE_DEVICES."})
+    env: dict[str, str] = field(
+        default_factory=dict, metadata={"help": "Extra environment, e.g. CUDA_VISIBLE_DEVICES."}
+    )
 
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     @classmethod
-    def for_this_machine(cls, model: str, **overrides) -> "VLLMServerConfig":
+    def for_this_machine(cls, model: str, **overrides) -> VLLMServerConfig:
         """A config for a server on this machine: on a machine without CUDA, eager mode (graph compilation costs
         minutes of start-up for little gain) and float32 (see ``dtype``)."""
         import torch
@@ -89,14 +93,15 @@ class VLLMServer:
     def base_url(self) -> str:
         return self.config.base_url
 
-    def start(self) -> "VLLMServer":
+    def start(self) -> VLLMServer:
         if self.healthy():  # else the new server fails to bind while /health answers from the old one
             raise RuntimeError(f"{self.base_url} already answers /health: another server holds port "
                                f"{self.config.port}; stop it or choose another port")
         env = {**os.environ, **self.config.env}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gib))
         env.setdefault("HF_HUB_OFFLINE", "1" if Path(self.config.model).exists() else env.get("HF_HUB_OFFLINE", "0"))
-        self._log = open(self.config.log_file, "ab") if self.config.log_file else None
+        # Open for the server's lifetime, closed by stop().
+        self._log = open(self.config.log_file, "ab") if self.config.log_file else None  # noqa: SIM115
         logger.info("starting vLLM server: %s", " ".join(self.config.command()))
         # Under a reaper leading a new process group: stop() signals vLLM's engine and worker children together,
         # and they all die with this process even when it is killed (processes.owned_popen).
@@ -137,7 +142,7 @@ class VLLMServer:
         if self._log:
             self._log.close()
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -184,10 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--model is required to serve")
     with VLLMServer(VLLMServerConfig(model=args.model, port=args.port, max_model_len=args.max_model_len)) as server:
         print(f"serving {args.model} at {server.base_url}; Ctrl-C to stop", flush=True)
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             server.process.wait()
-        except KeyboardInterrupt:
-            pass
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real parts (offline assets, a vLLM server on CPU, the retrieval server) started once per session.
+"""Shared fixtures: the real parts (offline assets, a vLLM server on CPU, the retrieval server), started once per
+session.
 
 Servers are started by the tests themselves, never by hand, so a fresh clone on a fresh machine passes.
 """
@@ -144,3 +145,15 @@ def two_source_questions(squad_dev_sample, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("eval_questions") / "questions.parquet"
     questions.to_parquet(path, index=False)
     return str(path)
+
+
+# Fixtures that boot a real server: vLLM on CPU takes minutes, the retriever builds an index first.
+SERVER_FIXTURES = {"vllm_server", "retriever_server"}
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that needs a real server (directly or through another fixture) is ``slow``, so ``-m "not slow"``
+    boots none."""
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -64,14 +64,15 @@ def test_no_module_imports_a_higher_layer_or_its_own_layer_unless_listed():
     assert upward == []
 
 
+def reaches(graph: dict[str, set[str]], start: str, goal: str, seen: frozenset[str] = frozenset()) -> bool:
+    """Whether ``goal`` can be reached from ``start`` along the import edges of ``graph``."""
+    return any(t == goal or (t not in seen and reaches(graph, t, goal, seen | {t})) for t in graph.get(start, ()))
+
+
 def test_there_are_no_import_cycles():
     for package in ("searchr1_trl", "retriever_server"):
         graph = imports(package)
-
-        def reaches(start: str, goal: str, seen: set[str]) -> bool:
-            return any(t == goal or (t not in seen and reaches(t, goal, seen | {t})) for t in graph.get(start, ()))
-
-        assert [m for m in graph if reaches(m, m, {m})] == [], package
+        assert [m for m in graph if reaches(graph, m, m)] == [], package
 
 
 def test_the_retrieval_server_does_not_import_the_trainer_package():

@@ -35,7 +35,8 @@ def test_questions_follow_the_search_r1_schema(offline_assets):
     for frame in (train, test):
         assert {"question", "golden_answers", "data_source"} <= set(frame.columns)
         assert set(frame["data_source"]) == {"squad"}
-        assert all(len(answers) >= 1 and all(isinstance(a, str) for a in answers) for answers in frame["golden_answers"])
+        answers = frame["golden_answers"]
+        assert all(len(golds) >= 1 and all(isinstance(a, str) for a in golds) for golds in answers)
 
 
 def test_corpus_is_wiki18_jsonl_with_every_squad_paragraph(offline_assets):

@@ -6,14 +6,15 @@ Faults are injected by a small retrieval server on a real loopback socket whose 
 from __future__ import annotations
 
 import asyncio
-import re
 import json
 import logging
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from conftest import free_port
 
 from searchr1_trl.data import SearchR1Sample
 from searchr1_trl.env import (
@@ -27,8 +28,6 @@ from searchr1_trl.env import (
     _passages_to_string,
 )
 from searchr1_trl.rollout import EnvStep, MessageEnv
-
-from conftest import free_port
 
 SAMPLE = SearchR1Sample(question="Where is the Eiffel Tower?", golden_answers=("Paris",))
 

@@ -42,7 +42,7 @@ def test_the_sample_is_seeded_random_across_articles_and_a_larger_one_extends_a_
         return [s.question for _, s in eval_cli.load_questions(config)]
 
     test = pd.read_parquet(offline_assets.test_questions)
-    titles = dict(zip(test["question"], test["title"]))
+    titles = dict(zip(test["question"], test["title"], strict=True))
     twenty_four = sample(24)
     assert len({titles[q] for q in twenty_four}) >= 10, "spread over articles, not the file's first one"
     assert twenty_four == sample(24) and sample(48)[:24] == twenty_four
@@ -134,7 +134,8 @@ def test_eval_through_the_real_vllm_server_checks_the_served_model(offline_asset
     specials = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")
     assert not any(s in (t["answer"] or "") for t in traces for s in specials)
 
-    with pytest.raises(ValueError, match=rf"serves .*Qwen2.5-Coder-0.5B-Instruct'?, not checkpoint .*{tiny_model_dir.name}"):
+    refused = rf"serves .*Qwen2.5-Coder-0.5B-Instruct'?, not checkpoint .*{tiny_model_dir.name}"
+    with pytest.raises(ValueError, match=refused):
         eval_cli.evaluate(*eval_cli_configs(str(tiny_model_dir), two_source_questions, tmp_path / "other",
                                             vllm_server.base_url, retriever_url))
 

@@ -34,7 +34,7 @@ class ScriptedGenerator(Generator):
             text = '<tool_call>\n{"name": "search", "arguments": {"query": "Super Bowl 50 AFC"}}\n</tool_call>'
         else:
             text = "Carolina Panthers"
-        ids = self.tokenizer.encode(text) + [self.tokenizer.eos_token_id]
+        ids = [*self.tokenizer.encode(text), self.tokenizer.eos_token_id]
         return Generation(ids, [0.0] * len(ids), "stop")
 
 

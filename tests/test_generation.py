@@ -12,10 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from conftest import free_port
 
 from searchr1_trl.generation import SamplingParams, TransformersGenerator, VLLMServerGenerator, end_token_ids
-
-from conftest import free_port
 
 PROMPTS = [[151644, 872, 198, 9707], [151644, 872, 198, 3838, 374, 279, 6722, 315, 9625, 30], [9707, 11, 1879]]
 
@@ -62,7 +61,7 @@ def test_calls_issued_together_become_one_generate_call_with_the_same_results_as
 
     assert counting.batch_sizes == [3, 1, 1, 1]
     assert [g.token_ids for g in together] == [g.token_ids for g in alone]
-    for batched, single in zip(together, alone):
+    for batched, single in zip(together, alone, strict=True):
         assert batched.logprobs == pytest.approx(single.logprobs, abs=1e-4)
 
 

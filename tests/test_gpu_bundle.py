@@ -16,7 +16,8 @@ def tiny_wheel(folder: Path, name: str, version: str) -> None:
     with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
         wheel.writestr(f"{name}/__init__.py", f"VERSION = {version!r}\n")
         wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/WHEEL",
+                       "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         wheel.writestr(f"{info}/RECORD", "")
 
 

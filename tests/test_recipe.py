@@ -22,7 +22,6 @@ from searchr1_trl.recipe import (
     recipe_path,
 )
 
-
 RECIPES = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
 
 
@@ -123,11 +122,11 @@ def test_train_help_names_the_shipped_recipes_then_every_field(capsys):
 
 def test_plan_names_a_missing_data_file_and_unreachable_servers(tmp_path):
     args, model_args = parse_recipe("qwen3_1_7b", "--train_data_path", str(tmp_path / "nope.parquet"))
-    with pytest.raises(PlanError, match="train_data_path=.*nope.parquet does not exist"):
+    with pytest.raises(PlanError, match=r"train_data_path=.*nope\.parquet does not exist"):
         validate_plan(args, model_args, check_machine=False)
     args, model_args = parse_recipe("qwen3_1_7b", "--weight_sync", "reload", "--search_url",
                                     "http://127.0.0.1:9/retrieve")
-    with pytest.raises(PlanError, match="retrieval server not reachable at http://127.0.0.1:9/health"):
+    with pytest.raises(PlanError, match=r"retrieval server not reachable at http://127\.0\.0\.1:9/health"):
         validate_plan(args, model_args)
 
 

@@ -17,8 +17,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 from conftest import free_port
+
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.env import RetrievalClient, SearchR1EnvConfig
 
@@ -136,7 +136,7 @@ def test_a_search_never_outlasts_its_deadline(fault):
 def test_an_oversized_answer_is_refused_and_not_retried(fault):
     fault.script = ["huge"]
 
-    [result], seconds = search(client_for(fault.url, max_response_bytes=1 << 20), "a")
+    [result], _ = search(client_for(fault.url, max_response_bytes=1 << 20), "a")
 
     assert result == "" and fault.requests == 1
 

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import free_port
+
 from searchr1_trl.processes import run_reporting
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def test_recipe_commands_bind_servers_to_loopback_or_a_named_private_address_and
     commands = [line for line in header if line.startswith("#   ") and SERVER_COMMANDS.search(line)]
 
     hosts = [re.search(r"--host (\S+)", line) for line in commands]
-    assert commands and all(hosts), [c for c, h in zip(commands, hosts) if not h]
+    assert commands and all(hosts), [c for c, h in zip(commands, hosts, strict=True) if not h]
     assert all(h.group(1) == "127.0.0.1" or h.group(1).startswith("$") for h in hosts), [h.group(1) for h in hosts]
     assert any("collective_rpc" in line for line in header)  # why
 
@@ -107,5 +107,5 @@ def test_a_child_killed_by_sigkill_is_reported_with_its_likely_cause_and_peak_me
 
 
 def test_an_ordinary_failure_is_reported_as_its_exit_status():
-    with pytest.raises(RuntimeError, match="^trainer exited with status 3$"):
+    with pytest.raises(RuntimeError, match=r"^trainer exited with status 3$"):
         run_reporting("trainer", [sys.executable, "-c", "raise SystemExit(3)"])

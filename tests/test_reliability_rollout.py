@@ -24,7 +24,8 @@ from searchr1_trl.rollout import RolloutConfig, RolloutEngine, RolloutStatus
 
 GOOD_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "Super Bowl 50 winner"}}\n</tool_call>'
 F1_SHAPES = {
-    "surrogate in the query": '<tool_call>\n{"name": "search", "arguments": {"query": "Notre Dame \\ud800"}}\n</tool_call>',
+    "surrogate in the query":
+        '<tool_call>\n{"name": "search", "arguments": {"query": "Notre Dame \\ud800"}}\n</tool_call>',
     "surrogate in the tool name": '<tool_call>\n{"name": "se\\udc00arch", "arguments": {"query": "x"}}\n</tool_call>',
     "surrogate in another argument": '<tool_call>\n{"name": "search", "arguments": {"query": "x", "k": "\\ud83d"}}'
                                      '\n</tool_call>',
@@ -74,7 +75,8 @@ def run(tokenizer, env: SearchR1Env, first: list[str]):
 
 # Turns no reader can take for a call are the model's answer (the bare-JSON reader never fails a turn), and a search
 # whose JSON-string arguments cannot be read is answered with an error message: both end their rollout as done.
-READ_AS_ANSWER_OR_ANSWERED = {"bare JSON, 990 nested", "bare JSON, 5,000 digits", "arguments as a JSON string nested 990"}
+READ_AS_ANSWER_OR_ANSWERED = {"bare JSON, 990 nested", "bare JSON, 5,000 digits",
+                              "arguments as a JSON string nested 990"}
 
 
 @pytest.mark.slow  # starts or uses the real retrieval server
@@ -156,7 +158,7 @@ def test_ten_thousand_fuzzed_completions_parse_step_and_render_without_raising(t
             async def steps():
                 return await asyncio.gather(*(env.step([USER, m]) for m in parsed))
 
-            for message, step in zip(parsed, asyncio.run(steps())):
+            for message, step in zip(parsed, asyncio.run(steps()), strict=True):
                 tokenizer.apply_chat_template([USER, message, *step.messages], tools=tools, tokenize=True,
                                               add_generation_prompt=True, return_dict=False)
         except Exception:
@@ -181,7 +183,7 @@ def test_fuzzed_turns_never_cost_the_rollout_beside_them(tokenizer, reliability_
     @given(st.lists(completion, min_size=7, max_size=7))
     def rollouts_of(turns: list[str]):
         try:
-            rollouts = run(tokenizer, InProcessEnv(), turns + [GOOD_CALL])
+            rollouts = run(tokenizer, InProcessEnv(), [*turns, GOOD_CALL])
         except Exception:
             counts["escapes"] += 1
             raise

@@ -17,12 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_trainer import RecordingStream, small_config
 
 from searchr1_trl import trainer as trainer_module
 from searchr1_trl.data import SearchR1Dataset
 from searchr1_trl.recipe import build_task, part_config
 from searchr1_trl.trainer import CHECKPOINT_COMPLETE_FILE, SearchR1Trainer
-from test_trainer import RecordingStream, small_config
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS_PER_STEP = 2  # small_config: 2 per device x 2 accumulation / 2 generations

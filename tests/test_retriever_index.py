@@ -33,7 +33,7 @@ def test_explicit_encoder_settings_override_the_family_defaults():
 
 
 def test_unknown_pooling_is_refused_by_name():
-    with pytest.raises(ValueError, match="pooling must be one of .* got 'max'"):
+    with pytest.raises(ValueError, match=r"pooling must be one of .* got 'max'"):
         EncoderConfig(retriever_model="m", pooling="max")
 
 
@@ -68,7 +68,7 @@ def test_an_hnsw_index_is_refused_on_gpu_by_name(tmp_path):
     index = new_index(8, 10, IndexConfig(index_type="hnsw"))
     faiss.write_index(index, str(tmp_path / "hnsw.faiss"))
 
-    with pytest.raises(ValueError, match="hnsw.faiss is an HNSW index, which faiss cannot search on GPU"):
+    with pytest.raises(ValueError, match=r"hnsw\.faiss is an HNSW index, which faiss cannot search on GPU"):
         load_index(str(tmp_path / "hnsw.faiss"), SearchConfig(faiss_gpu=True))
 
 

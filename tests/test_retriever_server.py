@@ -11,8 +11,8 @@ import zipfile
 
 import httpx
 import pytest
-
 from conftest import free_port
+
 from retriever_server.launch import RetrieverProcess
 from retriever_server.metrics import parse_prometheus
 from searchr1_trl.assets import SQUAD_DEV, cache_dir
@@ -74,7 +74,7 @@ def test_scores_are_cosines_best_first_and_match_the_plain_mode(retriever_url):
     plain = retrieve(retriever_url, {"queries": queries, "topk": 5}).json()["result"]
     scored = retrieve(retriever_url, {"queries": queries, "topk": 5, "return_scores": True}).json()["result"]
 
-    for docs, hits in zip(plain, scored):
+    for docs, hits in zip(plain, scored, strict=True):
         assert [h["document"] for h in hits] == docs
         scores = [h["score"] for h in hits]
         assert scores == sorted(scores, reverse=True) and all(-1.0 <= s <= 1.0 for s in scores)
@@ -149,7 +149,7 @@ def test_gold_paragraph_is_in_top3_for_at_least_75_percent_of_squad_dev_question
 
     result = retrieve(retriever_url, {"queries": sample["question"].tolist(), "topk": 3}).json()["result"]
 
-    hits = [gold[qid] in {d["contents"] for d in docs} for qid, docs in zip(sample["id"], result)]
+    hits = [gold[qid] in {d["contents"] for d in docs} for qid, docs in zip(sample["id"], result, strict=True)]
     recall_at_3 = sum(hits) / len(hits)
     print(f"gold paragraph recall@3: {recall_at_3:.3f} on {len(hits)} SQuAD dev questions")
     assert recall_at_3 >= 0.75
@@ -173,7 +173,7 @@ def test_concurrent_requests_are_answered_from_merged_batches(retriever_url, bas
 
     after = metrics(base_url)
     assert all(r.status_code == 200 for r in responses)
-    for payload, response in zip(payloads, responses):
+    for payload, response in zip(payloads, responses, strict=True):
         result = response.json()["result"]
         assert len(result) == len(payload["queries"]) and all(len(docs) == payload["topk"] for docs in result)
     assert [[[d["id"] for d in docs] for docs in r.json()["result"]] for r in responses[:6]] == \

@@ -97,7 +97,7 @@ def roll(tokenizer, script, config=None, params=SamplingParams(), env=None):
 def runs(rollout, mask_value):
     """Decoded maximal runs of completion tokens whose env_mask is ``mask_value``."""
     pieces, current = [], []
-    for token, mask in zip(rollout.completion_ids, rollout.env_mask):
+    for token, mask in zip(rollout.completion_ids, rollout.env_mask, strict=True):
         if mask == mask_value:
             current.append(token)
         elif current:
@@ -129,7 +129,8 @@ def test_a_tool_call_gets_the_env_messages_unchanged_then_the_answer_ends_it(tok
     assert rollout.messages == [
         {"role": "user", "content": "Question: q"},
         {"role": "assistant", "content": "",
-         "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"query": "France capital"}}}]},
+         "tool_calls": [{"type": "function",
+                         "function": {"name": "lookup", "arguments": {"query": "France capital"}}}]},
         {"role": "tool", "name": "lookup", "content": "result for France capital"},
         {"role": "assistant", "content": "Paris"},
     ]
@@ -217,9 +218,9 @@ def test_env_mask_is_one_on_exactly_the_assistant_turns_and_logprobs_align(token
 
     assert [tokenizer.decode(run) for run in runs(rollout, 1)] == turns
     assert len(rollout.logprobs) == len(rollout.completion_ids) == len(rollout.env_mask)
-    model_logprobs = [lp for lp, m in zip(rollout.logprobs, rollout.env_mask) if m == 1]
+    model_logprobs = [lp for lp, m in zip(rollout.logprobs, rollout.env_mask, strict=True) if m == 1]
     assert model_logprobs == [lp for _, _, g in generator.calls["q"] for lp in g.logprobs]
-    assert all(lp == 0.0 for lp, m in zip(rollout.logprobs, rollout.env_mask) if m == 0)
+    assert all(lp == 0.0 for lp, m in zip(rollout.logprobs, rollout.env_mask, strict=True) if m == 0)
 
 
 def test_env_tokens_are_template_glue_tool_turn_and_next_generation_prompt(tokenizer):

@@ -56,8 +56,8 @@ def test_every_rollout_ends_with_a_valid_status_and_aligned_tokens(rollouts, tok
         assert isinstance(rollout.status, RolloutStatus)
         assert len(rollout.completion_ids) == len(rollout.env_mask) == len(rollout.logprobs) > 0
         assert len(rollout.prompt_ids) + len(rollout.completion_ids) <= 2048
-        assert all(lp == 0.0 for lp, m in zip(rollout.logprobs, rollout.env_mask) if m == 0)
-        assert all(lp <= 0.0 for lp, m in zip(rollout.logprobs, rollout.env_mask) if m == 1)
+        assert all(lp == 0.0 for lp, m in zip(rollout.logprobs, rollout.env_mask, strict=True) if m == 0)
+        assert all(lp <= 0.0 for lp, m in zip(rollout.logprobs, rollout.env_mask, strict=True) if m == 1)
         assert rollout.env_mask[0] == 1  # the completion starts with the model's first turn
         if rollout.status is RolloutStatus.DONE:
             assert rollout.completion_ids[-1] == tokenizer.eos_token_id
@@ -79,7 +79,7 @@ def test_rewards_are_exact_match_scores(rollouts):
     rubric = Rubric()
     scores = [rubric.score(r) for r in rollouts]
     assert set(scores) <= {0.0, 1.0}
-    assert all(score == 0.0 for score, r in zip(scores, rollouts) if r.status is not RolloutStatus.DONE)
+    assert all(score == 0.0 for score, r in zip(scores, rollouts, strict=True) if r.status is not RolloutStatus.DONE)
 
 
 def test_vllm_logprobs_match_a_transformers_forward_pass_over_the_final_sequence(rollouts, offline_assets):

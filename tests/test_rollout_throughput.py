@@ -12,8 +12,9 @@ def prefix(tokenizer):
 
 
 def test_trl_reads_a_bare_json_call_as_a_search_through_our_parser(offline_assets, tokenizer, prefix):
-    from benchmarks.rollout_throughput import tokenizer_with_our_parser
     from trl.chat_template_utils import add_response_schema, parse_response
+
+    from benchmarks.rollout_throughput import tokenizer_with_our_parser
 
     ids = tokenizer(BARE_CALL, add_special_tokens=False)["input_ids"]
     call = {"type": "function", "function": {"name": "search", "arguments": {"query": "Super Bowl 50"}}}
@@ -27,8 +28,9 @@ def test_trl_reads_a_bare_json_call_as_a_search_through_our_parser(offline_asset
 
 
 def test_trl_reads_an_answer_as_an_answer_through_our_parser(offline_assets, tokenizer, prefix):
-    from benchmarks.rollout_throughput import tokenizer_with_our_parser
     from trl.chat_template_utils import parse_response
+
+    from benchmarks.rollout_throughput import tokenizer_with_our_parser
 
     ids = tokenizer("Denver Broncos<|im_end|>", add_special_tokens=False)["input_ids"]
     ours = tokenizer_with_our_parser(offline_assets.model, bare_json_tool_calls=True)

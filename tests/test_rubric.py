@@ -40,7 +40,7 @@ SEARCHED_THEN_PARIS = [
 ]
 PARIS_FROM_MEMORY = [QUESTION, answer("Paris")]
 SEARCHED_THEN_WRONG = [*SEARCHED_THEN_PARIS[:3], answer("Lyon")]
-ENDED_ON_A_TOOL_CALL = SEARCHED_THEN_PARIS[:3] + [search_call("Paris")]
+ENDED_ON_A_TOOL_CALL = [*SEARCHED_THEN_PARIS[:3], search_call("Paris")]
 
 LEVERS = RewardExactMatchConfig(no_search_penalty=0.2, retrieval_score=0.1)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zlib
 from dataclasses import replace
@@ -166,10 +167,8 @@ def test_a_resumed_run_draws_the_same_questions_as_an_uninterrupted_one(tiny_mod
         stream.drawn = []
         task = replace(build_task(args), train_stream=stream)
         trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, task=task, callbacks=list(callbacks))
-        try:
+        with contextlib.suppress(KeyboardInterrupt):
             trainer.train(resume_from_checkpoint=resume)
-        except KeyboardInterrupt:
-            pass
         # Also when interrupted, train() closed its event loop and the retriever's pooled connections.
         assert trainer._loop is None and trainer.env.retrieval._http is None
         return stream.drawn, args

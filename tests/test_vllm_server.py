@@ -29,8 +29,8 @@ def test_starting_a_server_on_a_port_another_server_answers_on_fails_before_laun
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     import pytest
-
     from conftest import free_port
+
     from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
     class Healthy(BaseHTTPRequestHandler):

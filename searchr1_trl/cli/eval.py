@@ -242,7 +242,8 @@ def trace_record(key: str, checkpoint: str, trace: evaluation.Trace) -> dict:
     return {"key": key, "checkpoint": checkpoint, **asdict(trace)}
 
 
-async def _evaluate_checkpoint(config: EvalConfig, policy, index: int, pending: dict[str, list[tuple[str, SearchR1Sample]]], total: int,
+async def _evaluate_checkpoint(config: EvalConfig, policy, index: int,
+                               pending: dict[str, list[tuple[str, SearchR1Sample]]], total: int,
                                traces: TraceFile) -> None:
     """The missing traces of one checkpoint, method after method, each written as soon as it is finished."""
     from tqdm.auto import tqdm
