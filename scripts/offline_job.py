@@ -91,8 +91,14 @@ def plot(log_history: list[dict], path: Path) -> None:
                label="answered exactly right")
     ax[0].set(title="training rollouts (mean per step)", xlabel="optimizer step")
     ax[0].legend()
-    ax[1].plot([e["step"] for e in evals], [e["eval_em"] for e in evals], marker="o", color="C1")
+    ax[1].plot([e["step"] for e in evals], [e["eval_em"] for e in evals], marker="o", color="C1", label="all")
+    sources = sorted({k.removeprefix("eval_em/") for e in evals for k in e if k.startswith("eval_em/")})
+    for i, source in enumerate(sources if len(sources) > 1 else []):  # one source is the "all" line again
+        shown = [e for e in evals if f"eval_em/{source}" in e]
+        ax[1].plot([e["step"] for e in shown], [e[f"eval_em/{source}"] for e in shown], marker=".", linestyle="--",
+                   color=f"C{i + 2}", label=source)
     ax[1].set(title="validation EM (greedy)", xlabel="optimizer step", ylabel="exact match", ylim=(0, 1))
+    ax[1].legend()
     ax[2].plot([e["step"] for e in train], [e.get("rollout/searches_per_rollout") for e in train], marker="o",
                label="searches / rollout")
     ax[2].plot([e["step"] for e in train], [e.get("rollout/status_done") for e in train], marker="o",
