@@ -135,6 +135,46 @@ def test_a_grpo_step_through_the_whole_stack_changes_the_weights_and_syncs_them(
     assert (after - before).abs().max() > 10 * tolerance
 
 
+@pytest.mark.slow
+def test_the_lora_cpu_recipe_pushes_merged_weights_that_the_server_then_samples_from(
+        offline_assets, vllm_server, retriever_url, questions_file, tmp_path, tokenizer):
+    from trl import get_peft_config
+
+    from searchr1_trl.recipe import load_recipe
+
+    recipe, model_args = load_recipe(["--config", "offline"])
+    assert model_args.use_peft and not recipe.activation_checkpointing
+    args = small_config(tmp_path, questions_file, retriever_url, learning_rate=1e-3, per_device_train_batch_size=4,
+                        gradient_accumulation_steps=1, num_generations=4, max_turns=1, max_tokens_per_turn=16,
+                        activation_checkpointing=recipe.activation_checkpointing,
+                        vllm_server_base_url=vllm_server.base_url, generator="vllm", weight_sync="reload")
+    trainer = trainer_with_text_reward(offline_assets.model, args, peft_config=get_peft_config(model_args))
+    probe = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Who wrote Hamlet?"}, {"role": "assistant", "content": "William Shakespeare"}],
+        tokenize=True, return_dict=True,
+    )["input_ids"]
+    trainable = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {int(n.split(".layers.")[1].split(".")[0]) for n in trainable} == set(range(16, 24))
+    try:
+        before = server_logprobs(vllm_server.base_url, offline_assets.model, probe)
+        trainer.train()
+        assert trainer.state.log_history[0]["reward_std"] > 0, "the 4 rollouts were all the same text"
+        assert any(not torch.equal(p.detach(), trainable[n]) for n, p in trainer.model.named_parameters()
+                   if p.requires_grad)
+        trainer.push_weights_to_generator()
+        after = server_logprobs(vllm_server.base_url, offline_assets.model, probe)
+        trained = model_logprobs(trainer.model.eval(), probe)  # eval: no LoRA dropout
+    finally:
+        reload_weights(vllm_server.base_url, offline_assets.model)  # the server is shared: give it its weights back
+    print(f"LoRA: server vs trainer after sync {(after - trained).abs().max():.2e}; server's own change "
+          f"{(after - before).abs().max():.2e}")
+    tolerance = 1e-3  # nats per token, as for full fine-tuning
+    assert (after - trained).abs().max() < tolerance
+    assert (after - before).abs().max() > 10 * tolerance
+    assert not Path(args.weight_sync_dir).exists(), "the sync folder (tmpfs: memory) is deleted once loaded"
+
+
 class RecordingStream(SearchR1Dataset):
     """The question stream, remembering what it yields."""
 
