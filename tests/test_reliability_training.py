@@ -109,15 +109,24 @@ def test_resume_refuses_an_incomplete_checkpoint_by_name_and_skips_it_when_asked
 @pytest.mark.slow  # starts or uses the real retrieval server
 def test_the_weight_sync_folder_is_replaced_when_ours_and_refused_when_not(tiny_model_dir, questions_file,
                                                                           retriever_url, tmp_path, monkeypatch):
-    reloads = []
-    monkeypatch.setattr(trainer_module, "reload_weights", lambda url, folder: reloads.append(Path(folder)))
+    reloads = []  # (folder, its files when the server was told to load it)
+
+    def reload_weights(url, folder):
+        reloads.append((Path(folder), sorted(p.name for p in Path(folder).iterdir())))
+
+    monkeypatch.setattr(trainer_module, "reload_weights", reload_weights)
     args = small_config(tmp_path, questions_file, retriever_url, generator="transformers")
     trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args)
     folder = Path(args.weight_sync_dir)
 
     trainer.push_weights_to_generator()
+    assert not folder.exists()  # loaded, then deleted: on tmpfs it is memory
+    folder.mkdir()  # what a push killed while the server loaded it leaves: its own folder, marker and all
+    (folder / trainer_module.WEIGHT_SYNC_MARKER).touch()
+    (folder / "stale.safetensors").touch()
     trainer.push_weights_to_generator()  # its own folder: replaced
-    assert reloads == [folder, folder] and (folder / "model.safetensors").exists()
+    assert [f for f, _ in reloads] == [folder, folder]
+    assert all("model.safetensors" in files and "stale.safetensors" not in files for _, files in reloads)
 
     theirs = tmp_path / "notes"
     (theirs / "sub").mkdir(parents=True)
