@@ -24,7 +24,8 @@ this sample, so checkpoints served one at a time (one vLLM server each) end up i
 refuses a rerun whose sample seed or policy settings differ (its traces would not be comparable).
 
 Generators: ``vllm`` posts to a running ``trl vllm-serve`` that serves the checkpoint (one checkpoint per URL in
-``vllm_server_base_url``); ``transformers`` loads each checkpoint in-process (GPU if there is one).
+``vllm_server_base_url``); ``transformers`` loads each checkpoint in-process (GPU if there is one; a LoRA checkpoint,
+such as the CPU recipe's, loads with its base model).
 """
 
 from __future__ import annotations
