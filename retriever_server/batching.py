@@ -8,10 +8,11 @@ results. Under load the queue refills while a batch runs, so later batches form 
 
 Three rules keep one request from costing the others (issue 13, F3 and F5):
 
-- **A big request is served in slices, between newcomers.** Requests that have had nothing yet fill a batch; a
-  partly served request continues in a batch of its own, every other batch while newcomers keep coming. A request
-  of 1,024 long queries so runs as many small batches with the short requests arriving meanwhile in between,
-  instead of one batch of minutes that they all wait behind.
+- **A big request is served in slices, after newcomers.** Requests that have had nothing yet fill a batch; a
+  partly served request continues in a batch of its own when no newcomer waits (under load such gaps open after
+  every batch, while its clients read their answers). A request of 1,024 long queries so runs as many small
+  batches, with the short requests arriving meanwhile ahead of them, instead of one batch of minutes that they all
+  wait behind.
   ``max_batch_chars`` bounds a batch's encoder work (the encoder truncates a query at ``max_length`` tokens, so at
   most :data:`CHARS_PER_QUERY_CAP` characters of one query count).
 - **A failing batch is retried request by request, then query by query.** A batch that raises is not everyone's
@@ -123,7 +124,6 @@ class MicroBatcher:
         # One thread: the encoder and faiss already use every core, so two batches at once would only contend.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieve")
         self._worker: asyncio.Task | None = None
-        self._last_batch_fresh = False
 
     async def start(self) -> None:
         self._worker = asyncio.create_task(self._run())
@@ -183,8 +183,9 @@ class MicroBatcher:
                 return []
         fresh = [r for r in self._pending if not r.taken]
         partial = [r for r in self._pending if r.taken]
-        # Newcomers first, but a partly served request gets every other batch, so it is never starved.
-        use_partial = bool(partial) and (not fresh or self._last_batch_fresh)
+        # Newcomers first; a partly served request fills the gaps, which under load open after every batch (its
+        # clients are still reading their answers when the next batch forms).
+        use_partial = bool(partial) and not fresh
         candidates = partial[:1] if use_partial else fresh if self.config.batching else fresh[:1]
         batch: list[_Slice] = []
         size = chars = 0
@@ -199,8 +200,6 @@ class MicroBatcher:
                 break
             batch.append(_Slice(request, request.taken, end))
             request.taken = end
-        # A batch that started a request it could not finish served a big request: newcomers go next.
-        self._last_batch_fresh = not use_partial and not batch[-1].request.untaken
         self._pending = [r for r in self._pending if r.untaken]
         return batch
 
