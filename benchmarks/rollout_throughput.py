@@ -230,6 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.num_questions < 2 or args.num_questions % 2:
         parser.error(f"--num_questions must be an even number >= 2, got {args.num_questions}")
+    if args.temperature == 0 and "trl" in args.backends:
+        # Seen on the CPU server: 'n must be 1 when using greedy sampling, got 2'.
+        parser.error("--temperature 0 with the trl backend: TRL asks vLLM for num_generations=2 samples per prompt in "
+                     "one request, which vLLM refuses for greedy sampling; use a temperature > 0 or drop trl")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch
