@@ -30,6 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A generic tool for rollout and parsing tests that need no real search.
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a fact up.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    },
+}
+
+
 @pytest.fixture(scope="session")
 def offline_assets():
     from searchr1_trl.assets import require

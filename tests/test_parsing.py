@@ -7,17 +7,9 @@ the prompt it followed, and checks the message the environment would read (None:
 from __future__ import annotations
 
 import pytest
+from conftest import LOOKUP_TOOL
 
 from searchr1_trl.parsing import parse_tool_call_blocks, response_parser
-
-LOOKUP_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "Look a fact up.",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
-    },
-}
 
 
 def lookup(query: str) -> dict:

@@ -62,14 +62,6 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def questions_file(squad_dev_sample, tmp_path_factory) -> str:
-    _, questions = squad_dev_sample
-    path = tmp_path_factory.mktemp("questions") / "questions.parquet"
-    questions.to_parquet(path, index=False)
-    return str(path)
-
-
 @pytest.mark.slow  # starts or uses the real retrieval server
 @pytest.mark.parametrize(("mode", "resumed_from"), [("after", 2), ("during", 1)])
 def test_a_run_killed_after_or_during_a_checkpoint_resumes_exactly(tiny_model_dir, questions_file, retriever_url,

@@ -11,6 +11,7 @@ import asyncio
 import time
 
 import pytest
+from conftest import LOOKUP_TOOL
 
 from searchr1_trl.generation import Generation, Generator, SamplingParams
 from searchr1_trl.rollout import (
@@ -20,15 +21,6 @@ from searchr1_trl.rollout import (
     RolloutEngine,
     RolloutStatus,
 )
-
-LOOKUP_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "Look a fact up.",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
-    },
-}
 
 
 def call(query: str) -> str:
