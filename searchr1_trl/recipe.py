@@ -46,6 +46,7 @@ from searchr1_trl.generation import (
 )
 from searchr1_trl.rollout import RolloutConfig
 from searchr1_trl.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
+from searchr1_trl.warm_start import WarmStartConfig
 
 
 def _recipes_dir() -> Path:
@@ -69,6 +70,7 @@ PARTS: dict[str, Any] = {
     "rubric": RubricConfig(),
     "vllm_generator": VLLMServerGeneratorConfig(),
     "transformers_generator": TransformersGeneratorConfig(),
+    "warm_start": WarmStartConfig(),  # off: no traces
 }
 
 # Knobs of the parts that are no recipe field, because build_task derives them.
@@ -165,6 +167,12 @@ class SearchR1Config(GRPOConfig):
     answer_f1: float = knob("exact_match", "answer_f1")
     exact_match_weight: float = knob("exact_match", "weight")
     truncation_reward: float = knob("rubric", "truncation_reward")
+
+    # --- supervised warm start (searchr1_trl/warm_start.py) ---
+    warm_start_traces: int = knob("warm_start", "num_traces")
+    warm_start_learning_rate: float = knob("warm_start", "learning_rate")
+    warm_start_epochs: float = knob("warm_start", "epochs")
+    warm_start_batch_size: int = knob("warm_start", "batch_size")
 
     # --- generator ---
     generator: str = field(

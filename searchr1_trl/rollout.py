@@ -187,7 +187,7 @@ class RolloutEngine:
         started = time.perf_counter()
         timings = {"generate_s": 0.0, "env_s": 0.0}
         messages = list(self.env.initial_messages(sample) if messages is None else messages)
-        prompt_ids = self._render(messages, add_generation_prompt=True)
+        prompt_ids = self.render(messages, add_generation_prompt=True)
         completion_ids: list[int] = []
         env_mask: list[int] = []
         logprobs: list[float] = []
@@ -251,7 +251,7 @@ class RolloutEngine:
         """How many tokens may still be generated after ``sequence``; 0 means the prompt is too long."""
         return max(0, self.config.max_rollout_tokens - len(sequence))
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """Token ids of ``messages`` under the chat template, with the env's tools and the thinking switch."""
         return list(
             self.tokenizer.apply_chat_template(
@@ -268,8 +268,8 @@ class RolloutEngine:
         stopped on a token the template does not end turns with, the template's own end-of-turn token is appended as
         glue, so the next turn still sees a well-formed conversation.
         """
-        before = self._render(messages, add_generation_prompt=False)
-        after = self._render(messages + env_messages, add_generation_prompt=True)
+        before = self.render(messages, add_generation_prompt=False)
+        after = self.render(messages + env_messages, add_generation_prompt=True)
         stop = generated_ids[-1]
         if stop in before:
             cut = len(before) - before[::-1].index(stop)

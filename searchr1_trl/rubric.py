@@ -86,7 +86,7 @@ def _made_search_call(messages: Sequence[dict]) -> bool:
     )
 
 
-def _retrieval_surfaced_gold(messages: Sequence[dict], golds: set[str]) -> bool:
+def retrieval_surfaced_gold(messages: Sequence[dict], golds: set[str]) -> bool:
     """Whether a normalised golden answer appears as whole words in a normalised search result.
 
     ``{"ten"}`` is found in ``"Doc 1(Title: Ten) ten pins"`` but not in ``"Doc 1(Title: Tennis) tennis"``.
@@ -157,7 +157,7 @@ class RewardExactMatch:
                 return self.config.score
             return self.config.score - self.config.no_search_penalty
         partial = 0.0
-        if self.config.retrieval_score and _retrieval_surfaced_gold(messages, golds):
+        if self.config.retrieval_score and retrieval_surfaced_gold(messages, golds):
             partial = self.config.retrieval_score
         if self.config.answer_f1 and normalized is not None and golds:
             partial = max(partial, self.config.answer_f1 * max(token_f1(normalized, g) for g in golds))

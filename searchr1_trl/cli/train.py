@@ -67,16 +67,20 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(args, model_args) -> None:
-    """Train, evaluate the last step if the run did not, save with the model card, push to the Hub when asked."""
+    """Warm-start when the recipe asks, train, evaluate the last step if the run did not, save with the model card,
+    push to the Hub when asked."""
     from trl import get_peft_config
 
     from searchr1_trl.trainer import SearchR1Trainer
+    from searchr1_trl.warm_start import warm_start
 
     args.model_init_kwargs = {
         **(args.model_init_kwargs or {}),
         "dtype": model_args.dtype,
         "attn_implementation": model_args.attn_implementation,
     }
+    if args.warm_start_traces and not args.resume_from_checkpoint:  # a resumed run's checkpoint has its weights
+        model_args.model_name_or_path = warm_start(args, model_args)
     trainer = SearchR1Trainer(model=model_args.model_name_or_path, args=args, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     evaluated_last_step = any(e.get("step") == trainer.state.global_step and "eval_em" in e

@@ -1,0 +1,115 @@
+"""Supervised warm start: scripted search -> answer traces through the real rollout engine and retriever, and a
+fine-tune on the model's turns that GRPO then starts from."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from trl import ModelConfig
+
+from searchr1_trl.cli.train import train
+from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig
+from searchr1_trl.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.generation import end_token_ids
+from searchr1_trl.rollout import RolloutConfig, RolloutStatus
+from searchr1_trl.rubric import normalize_answer
+from searchr1_trl.trainer import SearchR1Config
+from searchr1_trl.warm_start import keep, scripted_traces
+
+
+def traces(tokenizer, retriever_url, questions_file, n: int, **env):
+    samples = SearchR1Dataset(SearchR1DatasetConfig(data_path=questions_file, data_source=None)).take(n)
+    search = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url, topk=3, **env))
+
+    async def run():
+        try:
+            return await scripted_traces(tokenizer, search, RolloutConfig(max_turns=3), samples,
+                                         set(end_token_ids(tokenizer)))
+        finally:
+            await search.aclose()
+
+    return samples, asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_a_trace_searches_the_question_then_answers_with_the_gold_the_passages_hold(tokenizer, retriever_url,
+                                                                                  questions_file):
+    samples, rollouts = traces(tokenizer, retriever_url, questions_file, 24, restate_question=True)
+    for sample, rollout in zip(samples, rollouts, strict=True):
+        # The engine parsed the scripted turn as the model's own: one search of the question, then a final answer.
+        assert rollout.status == RolloutStatus.DONE and rollout.num_turns == 2 and rollout.num_tool_calls == 1
+        call = rollout.messages[-3]["tool_calls"][0]["function"]
+        assert call["name"] == "search" and call["arguments"] == {"query": sample.question}
+        assert rollout.messages[-2]["role"] == "tool" and sample.question in rollout.messages[-2]["content"]
+        answer = rollout.messages[-1]["content"]
+        assert answer in sample.golden_answers
+        # The loss sees the two assistant turns (with their end tokens) and nothing the environment wrote.
+        model_tokens = [t for t, m in zip(rollout.completion_ids, rollout.env_mask, strict=True) if m]
+        text = tokenizer.decode(model_tokens)
+        assert text.startswith("<tool_call>") and text.endswith(f"{answer}<|im_end|>")
+        assert "Doc 1(Title:" not in text and "Doc 1(Title:" in tokenizer.decode(rollout.completion_ids)
+        in_passages = f" {normalize_answer(answer)} " in f" {normalize_answer(rollout.messages[-2]['content'])} "
+        assert keep(rollout) == in_passages
+    kept = sum(map(keep, rollouts))
+    assert 0 < kept < len(rollouts), kept  # the small corpus holds most answers, the top-3 passages not all
+
+
+@pytest.mark.slow
+def test_an_answer_the_passages_do_not_hold_is_not_a_trace(tokenizer, retriever_url, questions_file):
+    samples, _ = traces(tokenizer, retriever_url, questions_file, 4)
+    search = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url, topk=3))
+    invented = [replace(s, golden_answers=("Zyxwvut Qponmlk",)) for s in samples]
+
+    async def run():
+        try:
+            return await scripted_traces(tokenizer, search, RolloutConfig(), invented,
+                                         set(end_token_ids(tokenizer)))
+        finally:
+            await search.aclose()
+
+    rollouts = asyncio.run(run())
+    assert [r.messages[-1]["content"] for r in rollouts] == ["Zyxwvut Qponmlk"] * 4
+    assert not any(map(keep, rollouts))
+
+
+def answer_nll(model_dir: Path, rollouts) -> float:
+    """Mean NLL of the traces' model tokens under the model in ``model_dir``."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    total, count = 0.0, 0
+    for r in rollouts:
+        ids = torch.tensor([r.prompt_ids + r.completion_ids])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        picked = logprobs.gather(1, ids[0, 1:, None])[:, 0][len(r.prompt_ids) - 1:]
+        mask = torch.tensor(r.env_mask, dtype=torch.bool)
+        total -= picked[mask].sum().item()
+        count += int(mask.sum())
+    return total / count
+
+
+@pytest.mark.slow
+def test_grpo_starts_from_the_warm_started_model(tiny_model_dir, tokenizer, retriever_url, questions_file, tmp_path):
+    args = SearchR1Config(
+        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, max_steps=1, learning_rate=0.0, warmup_steps=0,
+        per_device_train_batch_size=2, gradient_accumulation_steps=1, num_generations=2, max_turns=2,
+        max_tokens_per_turn=8, train_data_path=questions_file, eval_data_path=questions_file,
+        eval_data_source=None, eval_strategy="no", save_strategy="no", report_to="none",
+        search_url=retriever_url, generator="transformers", restate_question=True, bare_json_tool_calls=True,
+        warm_start_traces=24, warm_start_learning_rate=3e-3, warm_start_epochs=3, warm_start_batch_size=4,
+    )
+    train(args, ModelConfig(model_name_or_path=str(tiny_model_dir), dtype="float32"))
+
+    warm = tmp_path / "run" / "warm_start"
+    _, held_out = traces(tokenizer, retriever_url, questions_file, 8, restate_question=True)
+    assert answer_nll(warm, held_out) < answer_nll(tiny_model_dir, held_out) - 1.0
+    # GRPO ran at lr 0 from the warm start: its final weights are the warm start's, not the base model's.
+    final, warmed = load_file(tmp_path / "run" / "model.safetensors"), load_file(warm / "model.safetensors")
+    base = load_file(tiny_model_dir / "model.safetensors")
+    assert all(torch.equal(final[name], warmed[name]) for name in final)
+    assert not all(torch.equal(warmed[name], base[name].to(warmed[name].dtype)) for name in warmed)
