@@ -1,9 +1,17 @@
 """Wiki-18-scale exact search on GPU through the retrieval server's own search path (``TorchFlatIndex``, what
 ``--faiss_gpu --gpu_backend torch`` loads): 21M x 768 random normalised fp16 vectors, batches of 1 to 512 queries.
-Prints latency, queries/s and the memory-bandwidth floor (index bytes / measured device copy bandwidth) as JSON lines.
+Prints latency, queries/s and the memory-bandwidth floor (index bytes / measured device copy bandwidth) as JSON lines,
+one per batch size and implementation:
 
-    python -m benchmarks.retriever_gpu_scale --num_vectors 21000000 --dim 768 \\
+- ``two_stage``: the server's search (group maxima, then fp32 rescoring of the best groups), once per ``--group_rows``;
+- ``chunk_topk`` (with ``--compare_old``): the search before it, a full-width ``topk`` per 1M-row chunk, as baseline.
+
+Each row also says whether the first ``--check_queries`` queries got the same rows as a brute-force fp32 scan of the
+same vectors (``exact``), so a faster variant cannot trade away exactness unnoticed.
+
+    python -m benchmarks.retriever_gpu_scale --num_vectors 21000000 --dim 768 --compare_old --group_rows 32,64,128 \\
         --out docs/results/retriever_gpu_scale.jsonl
+    python -m benchmarks.retriever_gpu_scale --device cpu --num_vectors 200000 --dim 64 --batches 1,64  # smoke test
 """
 
 import argparse
@@ -31,8 +39,7 @@ def copy_bandwidth_gbs(device, gib: int = 8) -> float:
     return 2 * 5 * src.numel() / (time.perf_counter() - start) / 1e9
 
 
-def random_index(num_vectors: int, dim: int) -> TorchFlatIndex:
-    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+def random_shards(num_vectors: int, dim: int, devices: list) -> list:
     bounds = np.linspace(0, num_vectors, len(devices) + 1).astype(int)
     shards = []
     for a, b, device in zip(bounds[:-1], bounds[1:], devices, strict=True):
@@ -41,7 +48,47 @@ def random_index(num_vectors: int, dim: int) -> TorchFlatIndex:
             block = torch.randn(min(1 << 20, b - a - start), dim, device=device)
             shard[start:start + len(block)] = torch.nn.functional.normalize(block, dim=1).half()
         shards.append(shard)
-    return TorchFlatIndex(shards)
+    return shards
+
+
+def chunk_topk_search(shards: list, queries: np.ndarray, k: int, chunk_rows: int = 1 << 20):
+    """The search before the two-stage one (main d952a21): fp16 scores and a full-width ``topk`` per chunk."""
+    best_scores, best_rows, offset = [], [], 0
+    for shard in shards:
+        x = torch.as_tensor(queries, device=shard.device).to(torch.float16)
+        for start in range(0, len(shard), chunk_rows):
+            top = (x @ shard[start:start + chunk_rows].T).topk(k, dim=1)
+            best_scores.append(top.values.float().to(shards[0].device))
+            best_rows.append((top.indices + offset + start).to(shards[0].device))
+        offset += len(shard)
+    scores, rows = torch.cat(best_scores, 1), torch.cat(best_rows, 1)
+    top = scores.topk(k, dim=1)
+    return top.values.cpu().numpy(), rows.gather(1, top.indices).cpu().numpy()
+
+
+def brute_force_rows(shards: list, queries: np.ndarray, k: int) -> np.ndarray:
+    """Top-k rows by fp32 scores of every row, one 1M-row slice at a time: the reference for ``exact``."""
+    found_scores, found_rows, offset = [], [], 0
+    for shard in shards:
+        x = torch.as_tensor(queries, dtype=torch.float32, device=shard.device)
+        for start in range(0, len(shard), 1 << 20):
+            top = (x @ shard[start:start + (1 << 20)].float().T).topk(k, dim=1)
+            found_scores.append(top.values.cpu())
+            found_rows.append(top.indices.cpu() + offset + start)
+        offset += len(shard)
+    scores, rows = torch.cat(found_scores, 1), torch.cat(found_rows, 1)
+    return rows.gather(1, scores.topk(k, dim=1).indices).numpy()
+
+
+def timed(search, queries: np.ndarray, k: int, repeats: int) -> tuple[float, np.ndarray]:
+    """Median seconds of ``search`` (it returns numpy: the device sync and copy back are included) and its rows."""
+    search(queries, k)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _, rows = search(queries, k)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), rows
 
 
 def main() -> None:
@@ -51,28 +98,41 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=3)
     parser.add_argument("--batches", default="1,8,64,512")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--group_rows", default="64", help="TorchFlatIndex group_rows to measure, comma-separated.")
+    parser.add_argument("--compare_old", action="store_true", help="Also measure the chunk-topk search it replaced.")
+    parser.add_argument("--check_queries", type=int, default=16, help="Queries per batch checked against brute force.")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda: every visible GPU.")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    bandwidth = copy_bandwidth_gbs(torch.device("cuda", 0))
-    index = random_index(args.num_vectors, args.dim)
+    gpus = args.device == "cuda"
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if gpus else [torch.device("cpu")]
+    bandwidth = copy_bandwidth_gbs(devices[0]) if gpus else None
+    shards = random_shards(args.num_vectors, args.dim, devices)
     index_gb = args.num_vectors * args.dim * 2 / 1e9
-    floor_ms = index_gb / (bandwidth * torch.cuda.device_count()) * 1e3
+    floor_ms = index_gb / (bandwidth * len(devices)) * 1e3 if gpus else None
+    searches = {f"two_stage_g{g}": TorchFlatIndex(shards, group_rows=int(g)).search for g in args.group_rows.split(",")}
+    if args.compare_old:
+        searches["chunk_topk"] = lambda queries, k: chunk_topk_search(shards, queries, k)
     rng = np.random.default_rng(0)
     for batch in map(int, args.batches.split(",")):
         queries = rng.standard_normal((batch, args.dim)).astype(np.float32)
         queries /= np.linalg.norm(queries, axis=1, keepdims=True)
-        index.search(queries, args.topk)  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            index.search(queries, args.topk)  # returns numpy: includes the device sync and copy back
-            times.append(time.perf_counter() - start)
-        latency_ms = float(np.median(times)) * 1e3
-        row = {"num_vectors": args.num_vectors, "dim": args.dim, "gpus": torch.cuda.device_count(), "batch": batch,
-               "latency_ms": round(latency_ms, 2), "queries_per_s": round(batch / latency_ms * 1e3),
-               "index_gb_fp16": round(index_gb, 1), "copy_bandwidth_gbs": round(bandwidth),
-               "bandwidth_floor_ms": round(floor_ms, 2), "fraction_of_floor": round(floor_ms / latency_ms, 2)}
-        report(row, args.out)
+        checked = min(batch, args.check_queries)
+        reference = brute_force_rows(shards, queries[:checked], args.topk)
+        for name, search in searches.items():
+            if gpus:
+                torch.cuda.reset_peak_memory_stats(devices[0])
+            seconds, rows = timed(search, queries, args.topk, args.repeats)
+            latency_ms = seconds * 1e3
+            row = {"implementation": name, "num_vectors": args.num_vectors, "dim": args.dim, "devices": len(devices),
+                   "device": args.device, "batch": batch, "latency_ms": round(latency_ms, 2),
+                   "queries_per_s": round(batch / seconds), "index_gb_fp16": round(index_gb, 1),
+                   "exact": bool((rows[:checked] == reference).all()), "checked_queries": checked}
+            if gpus:
+                peak = torch.cuda.max_memory_allocated(devices[0]) - shards[0].numel() * 2
+                row |= {"search_peak_extra_gib": round(peak / 2**30, 2), "copy_bandwidth_gbs": round(bandwidth),
+                        "bandwidth_floor_ms": round(floor_ms, 2), "fraction_of_floor": round(floor_ms / latency_ms, 2)}
+            report(row, args.out)
 
 
 if __name__ == "__main__":

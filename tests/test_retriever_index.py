@@ -143,21 +143,48 @@ def test_retriever_refuses_an_index_built_from_another_corpus(built):
         Retriever(encoder, index, Corpus.load(config.corpus_path))
 
 
-def test_torch_flat_index_finds_what_faiss_finds_across_shards_and_chunks():
+def faiss_flat_search(vectors, queries, k):
+    exact = faiss.IndexFlatIP(vectors.shape[1])
+    exact.add(vectors)
+    return exact.search(queries, k)
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64, 300])
+def test_torch_flat_index_returns_faiss_rows_and_scores_across_shards_chunks_and_batches(batch):
+    import torch
+
+    rng = np.random.default_rng(batch)
+    # fp16-representable vectors: the GPU index stores fp16, and faiss must search the very same vectors.
+    vectors = rng.standard_normal((5000, 32)).astype(np.float16).astype(np.float32)
+    queries = rng.standard_normal((batch, 32)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    scores, rows = faiss_flat_search(vectors, queries, 5)
+    # Two shards (as on two GPUs) of 2500 rows, not a whole number of 16-row groups; chunks of 4000 rows for one
+    # query, 62 for 64 queries and 16 for 300: chunk and shard boundaries fall inside the top 5 of some query.
+    index = TorchFlatIndex.from_vectors(vectors, devices=[torch.device("cpu")] * 2, score_bytes=8000,
+                                        group_rows=16)
+    torch_scores, torch_rows = index.search(queries, 5)
+    assert index.ntotal == 5000
+    np.testing.assert_array_equal(torch_rows, rows)
+    np.testing.assert_allclose(torch_scores, scores, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_flat_index_orders_rows_that_fp16_scores_cannot_tell_apart_as_faiss_does():
     import torch
 
     rng = np.random.default_rng(0)
-    vectors = rng.standard_normal((5000, 32)).astype(np.float32)
-    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    queries = vectors[[3, 2600, 4999]]
-    exact = faiss.IndexFlatIP(32)
-    exact.add(vectors)
-    scores, rows = exact.search(queries, 3)
-    # Two shards (as on two GPUs), each scanned in chunks of 1000 rows; CPU tensors stand in for device memory.
-    index = TorchFlatIndex([torch.as_tensor(vectors[:2500]).half(), torch.as_tensor(vectors[2500:]).half()],
-                           chunk_rows=1000)
-    torch_scores, torch_rows = index.search(queries, 3)
-    assert index.ntotal == 5000
+    vectors = rng.standard_normal((4096, 32)).astype(np.float16).astype(np.float32) * 0.1
+    query = np.linspace(1, 2, 32, dtype=np.float32)[None, :]
+    query /= np.linalg.norm(query)
+    # Four near-copies of the query, one fp16 step up in a different coordinate each, in four different 64-row
+    # groups: their scores differ by ~1e-5, far below the fp16 rounding of a score near 1 (~5e-4).
+    near = np.repeat(query.astype(np.float16), 4, axis=0)
+    for i in range(4):
+        near[i, i] = np.nextafter(near[i, i], np.float16(1))
+    vectors[[100, 1000, 2000, 4000]] = near.astype(np.float32)
+    scores, rows = faiss_flat_search(vectors, query, 3)
+
+    torch_scores, torch_rows = TorchFlatIndex.from_vectors(vectors, devices=[torch.device("cpu")]).search(query, 3)
+    assert set(rows[0]) < {100, 1000, 2000, 4000}
     np.testing.assert_array_equal(torch_rows, rows)
-    assert torch_rows[:, 0].tolist() == [3, 2600, 4999]
-    np.testing.assert_allclose(torch_scores, scores, atol=2e-3)
+    np.testing.assert_allclose(torch_scores, scores, rtol=1e-6)
