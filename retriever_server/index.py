@@ -59,6 +59,12 @@ class SearchConfig:
                           "+ top-k in PyTorch, for CUDA versions faiss-gpu wheels do not cover).",
                   "choices": ("faiss", "torch")},
     )
+    cpu_backend: str = field(
+        default="torch",
+        metadata={"help": "CPU search engine for a flat index: torch (fp32 matmul + top-k on torch's BLAS, over the "
+                          "faiss index's own vectors; 5-7x faster than faiss for 64 queries on 2 cores) or faiss.",
+                  "choices": ("faiss", "torch")},
+    )
 
 
 def new_index(dim: int, num_vectors: int, config: IndexConfig) -> faiss.Index:
@@ -92,6 +98,8 @@ def load_index(path: str, config: SearchConfig) -> faiss.Index:
     """Read an index file and apply the search-time settings, moving it to the GPUs if asked."""
     index = configure_search(faiss.read_index(path), config)
     if not config.faiss_gpu:
+        if config.cpu_backend == "torch" and isinstance(index, faiss.IndexFlatIP) and index.ntotal:
+            return TorchFlatIndex.over_faiss_vectors(index)
         return index
     if isinstance(index, faiss.IndexHNSW):
         raise ValueError(f"{path} is an HNSW index, which faiss cannot search on GPU; drop --faiss_gpu")
@@ -109,7 +117,8 @@ def load_index(path: str, config: SearchConfig) -> faiss.Index:
 
 class TorchFlatIndex:
     """Exact inner-product search on every visible GPU: fp16 vectors sharded by rows, searched in two stages per
-    shard and merged on the first GPU. Same ``ntotal`` / ``search(x, k) -> (scores, rows)`` interface as faiss.
+    shard and merged on the first GPU. Same ``ntotal`` / ``search(x, k) -> (scores, rows)`` interface as faiss. On
+    CPU it searches a flat faiss index's fp32 vectors in place, in one stage (``_scan_fp32``).
 
     1. Scan: fp16 scores of a chunk of rows (one matmul), reduced at once to the maximum of each group of
        ``group_rows`` consecutive rows (one read of the scores). A full-width ``topk`` per chunk was the old scan and
@@ -135,8 +144,9 @@ class TorchFlatIndex:
         self.score_bytes, self.group_rows, self.rescore_margin = score_bytes, group_rows, rescore_margin
 
     @classmethod
-    def from_vectors(cls, vectors, devices: list | None = None, **search_options) -> TorchFlatIndex:
-        """Shard ``vectors`` (numpy or torch, n x d) row-wise over ``devices`` (default: every visible GPU)."""
+    def from_vectors(cls, vectors, devices: list | None = None, dtype=None, **search_options) -> TorchFlatIndex:
+        """Shard ``vectors`` (numpy or torch, n x d) row-wise over ``devices`` (default: every visible GPU), stored
+        as ``dtype`` (default fp16)."""
         import torch
 
         devices = devices or [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
@@ -145,12 +155,22 @@ class TorchFlatIndex:
         vectors = torch.as_tensor(vectors)
         bounds = np.linspace(0, len(vectors), len(devices) + 1).astype(int)
         pieces = zip(bounds[:-1], bounds[1:], devices, strict=True)
-        return cls([vectors[a:b].to(device, torch.float16) for a, b, device in pieces], **search_options)
+        return cls([vectors[a:b].to(device, dtype or torch.float16) for a, b, device in pieces], **search_options)
+
+    @classmethod
+    def over_faiss_vectors(cls, index: faiss.IndexFlatIP) -> TorchFlatIndex:
+        """CPU search over the fp32 vectors a faiss flat index holds, without copying them (wiki-18: 65 GB)."""
+        import torch
+
+        vectors = faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
+        flat = cls([torch.from_numpy(vectors)])
+        flat.owner = index  # the memory the vectors live in
+        return flat
 
     def chunk_rows(self, batch: int) -> int:
-        """Rows scanned per matmul: ~``score_bytes`` of fp16 scores, whole groups, and under 2**31 elements per
-        chunk (the 32-bit indexing limit of some kernels)."""
-        rows = min(self.score_bytes // (2 * batch), (2**31 - 1) // self.d)
+        """Rows scanned per matmul: ~``score_bytes`` of scores, whole groups, and under 2**31 elements per chunk
+        (the 32-bit indexing limit of some kernels)."""
+        rows = min(self.score_bytes // (self.shards[0].element_size() * batch), (2**31 - 1) // self.d)
         return max(self.group_rows, rows // self.group_rows * self.group_rows)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -172,12 +192,14 @@ class TorchFlatIndex:
         """The best k (fp32 scores, shard rows) per query in one shard; rows past its end score -inf."""
         import torch
 
+        if shard.dtype == torch.float32:
+            return self._scan_fp32(shard, x, k)
         g, n = self.group_rows, len(shard)
-        x16 = x.to(torch.float16)
-        maxima = torch.empty(len(x), -(-n // g), dtype=torch.float16, device=shard.device)
+        x_stored = x.to(shard.dtype)
+        maxima = torch.empty(len(x), -(-n // g), dtype=shard.dtype, device=shard.device)
         step = self.chunk_rows(len(x))
         for start in range(0, n, step):
-            scores = x16 @ shard[start:start + step].T
+            scores = x_stored @ shard[start:start + step].T
             if scores.shape[1] % g:  # the shard's last chunk: pad its last group with scores no row can have
                 scores = torch.nn.functional.pad(scores, (0, g - scores.shape[1] % g), value=-math.inf)
             maxima[:, start // g:(start + scores.shape[1]) // g] = scores.view(len(x), -1, g).amax(dim=2)
@@ -191,6 +213,22 @@ class TorchFlatIndex:
         exact = torch.cat([torch.bmm(shard[rows[a:a + block]].float(), x[a:a + block, :, None]).squeeze(2)
                            for a in range(0, len(x), block)])
         top = exact.masked_fill_(outside, -math.inf).topk(min(k, rows.shape[1]), dim=1)
+        return top.values, rows.gather(1, top.indices)
+
+    def _scan_fp32(self, shard, x, k: int):
+        """fp32 vectors (the CPU search): their scores are already exact and a CPU ``topk`` over them is cheap, so
+        one matmul + ``topk`` per chunk. 64 queries on 2 cores: 1.1 ms over 4,096 passages (faiss 7.3 ms, the two
+        stages 33 ms), 9.3 ms over 31,000 (faiss 51 ms)."""
+        import torch
+
+        best_scores, best_rows = [], []
+        step = self.chunk_rows(len(x))
+        for start in range(0, len(shard), step):
+            top = (x @ shard[start:start + step].T).topk(min(k, len(shard) - start, step), dim=1)
+            best_scores.append(top.values)
+            best_rows.append(top.indices + start)
+        scores, rows = torch.cat(best_scores, 1), torch.cat(best_rows, 1)
+        top = scores.topk(min(k, scores.shape[1]), dim=1)
         return top.values, rows.gather(1, top.indices)
 
 

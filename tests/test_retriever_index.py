@@ -188,3 +188,24 @@ def test_torch_flat_index_orders_rows_that_fp16_scores_cannot_tell_apart_as_fais
     assert set(rows[0]) < {100, 1000, 2000, 4000}
     np.testing.assert_array_equal(torch_rows, rows)
     np.testing.assert_allclose(torch_scores, scores, rtol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [1, 64, 300])
+def test_a_flat_index_searched_on_cpu_with_torch_returns_faiss_rows_and_scores(batch, tmp_path):
+    rng = np.random.default_rng(batch)
+    vectors = rng.standard_normal((3000, 32)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    queries = rng.standard_normal((batch, 32)).astype(np.float32)
+    faiss_index = faiss.IndexFlatIP(32)
+    faiss_index.add(vectors)
+    faiss.write_index(faiss_index, str(tmp_path / "index.faiss"))
+    scores, rows = faiss_index.search(queries, 5)
+
+    assert isinstance(load_index(str(tmp_path / "index.faiss"), SearchConfig(cpu_backend="faiss")), faiss.IndexFlatIP)
+    loaded = load_index(str(tmp_path / "index.faiss"), SearchConfig())
+    loaded.score_bytes = 4 * 64 * 1000  # chunks of 1,000 rows at 64 queries, so their boundaries are crossed
+    torch_scores, torch_rows = loaded.search(queries, 5)
+
+    assert isinstance(loaded, TorchFlatIndex) and loaded.ntotal == 3000
+    np.testing.assert_array_equal(torch_rows, rows)
+    np.testing.assert_allclose(torch_scores, scores, rtol=1e-5, atol=1e-6)
