@@ -12,7 +12,8 @@ Three rules keep one request from costing the others (issue 13, F3 and F5):
   partly served request continues in a batch of its own when no newcomer waits (under load such gaps open after
   every batch, while its clients read their answers). A request of 1,024 long queries so runs as many small
   batches, with the short requests arriving meanwhile ahead of them, instead of one batch of minutes that they all
-  wait behind.
+  wait behind. A request that fits one batch is never cut in two (it waits whole for the next batch), and once the
+  rest of a big request fits one batch it keeps its place in the queue like any other.
   ``max_batch_chars`` bounds a batch's encoder work (the encoder truncates a query at ``max_length`` tokens, so at
   most :data:`CHARS_PER_QUERY_CAP` characters of one query count).
 - **A failing batch is retried request by request, then query by query.** A batch that raises is not everyone's
@@ -181,12 +182,12 @@ class MicroBatcher:
                     break
             if not self._drop_finished():
                 return []
-        fresh = [r for r in self._pending if not r.taken]
-        partial = [r for r in self._pending if r.taken]
-        # Newcomers first; a partly served request fills the gaps, which under load open after every batch (its
-        # clients are still reading their answers when the next batch forms).
-        use_partial = bool(partial) and not fresh
-        candidates = partial[:1] if use_partial else fresh if self.config.batching else fresh[:1]
+        ready = [r for r in self._pending if not r.taken or self._rest_fits_a_batch(r)]
+        big = [r for r in self._pending if r.taken and not self._rest_fits_a_batch(r)]
+        # Newcomers first, in arrival order; a big partly served request fills the gaps, which under load open after
+        # every batch (its clients are still reading their answers when the next batch forms).
+        use_big = bool(big) and not ready
+        candidates = big[:1] if use_big else ready if self.config.batching else ready[:1]
         batch: list[_Slice] = []
         size = chars = 0
         for request in candidates:
@@ -198,10 +199,20 @@ class MicroBatcher:
                 size, chars, end = size + 1, chars + cost, end + 1
             if end == request.taken:  # the batch is full
                 break
+            if batch and end < len(request.queries) and self._rest_fits_a_batch(request):
+                break  # the next batch takes it whole
             batch.append(_Slice(request, request.taken, end))
             request.taken = end
         self._pending = [r for r in self._pending if r.untaken]
         return batch
+
+    def _rest_fits_a_batch(self, request: _Request) -> bool:
+        """Whether the queries of ``request`` not yet taken fit one batch on their own. Such a request is never cut
+        to fill a batch, and once partly served it keeps its place in the queue instead of waiting behind
+        newcomers: with 8 clients sending 64-query requests, the queries cut off a request at the end of a batch
+        otherwise waited behind every newcomer (p99 5.8 s against a p50 of 0.36 s on 2 cores)."""
+        rest = request.queries[request.taken:]
+        return len(rest) <= self.config.max_batch_size and sum(map(_cost, rest)) <= self.config.max_batch_chars
 
     async def _execute(self, batch: list[_Slice], loop: asyncio.AbstractEventLoop) -> None:
         queries = [q for s in batch for q in s.queries]

@@ -80,6 +80,41 @@ def test_a_big_request_is_served_in_slices_with_newcomers_first():
     assert "small" in order[1], order  # right after the slice that was running when it arrived
 
 
+def batches_formed(max_batch_size: int, first: list[list[str]], newcomers: list[list[str]]) -> list[list[str]]:
+    """The batches a batcher forms from requests ``first``, sent together, and ``newcomers``, sent while the first
+    batch runs (each search takes 50 ms)."""
+    order: list[list[str]] = []
+
+    def search(queries, topks):
+        order.append(list(queries))
+        time.sleep(0.05)
+        return [Hits([], []) for _ in queries]
+
+    async def main():
+        batcher = MicroBatcher(search, BatcherConfig(max_batch_size=max_batch_size, max_wait_ms=20), Metrics())
+        await batcher.start()
+        sent = [asyncio.ensure_future(batcher.submit(q, 1)) for q in first]
+        await asyncio.sleep(0.04)
+        sent += [asyncio.ensure_future(batcher.submit(q, 1)) for q in newcomers]
+        await asyncio.gather(*sent)
+        await batcher.stop()
+
+    asyncio.run(main())
+    return order
+
+
+def test_a_request_that_fits_one_batch_is_never_cut_in_two():
+    order = batches_formed(4, [["a1", "a2", "a3"], ["b1", "b2", "b3"]], [["c1", "c2"]])
+
+    assert order == [["a1", "a2", "a3"], ["b1", "b2", "b3"], ["c1", "c2"]]
+
+
+def test_the_rest_of_a_request_cut_by_the_batch_size_comes_before_newcomers():
+    order = batches_formed(4, [[f"a{i}" for i in range(6)]], [["c1"], ["d1"]])
+
+    assert order == [["a0", "a1", "a2", "a3"], ["a4", "a5", "c1", "d1"]]
+
+
 @pytest.mark.slow  # starts or uses the real retrieval server
 def test_a_lone_surrogate_query_gets_422_naming_it_and_its_batchmates_are_answered(retriever_url, base_url):
     good = json.dumps({"queries": ["Who won Super Bowl 50?"], "topk": 3})
