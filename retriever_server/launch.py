@@ -25,7 +25,8 @@ def _die_with_parent() -> None:
 
 @dataclass
 class RetrieverProcess:
-    """`python -m retriever_server.server ...` on loopback, healthy on enter, terminated on exit."""
+    """`python -m retriever_server.server ...` on loopback, healthy on enter, terminated on exit. ``module`` may name
+    another server taking the same flags (the benchmarks' Search-R1 reference)."""
 
     index_path: str
     corpus_path: str
@@ -35,13 +36,14 @@ class RetrieverProcess:
     extra_args: tuple[str, ...] = ()
     startup_timeout_s: float = 300.0
     env: dict[str, str] = field(default_factory=dict)  # extra environment, e.g. CUDA_VISIBLE_DEVICES
+    module: str = "retriever_server.server"
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/retrieve"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "retriever_server.server", "--index_path", self.index_path, "--corpus_path",
+        return [sys.executable, "-m", self.module, "--index_path", self.index_path, "--corpus_path",
                 self.corpus_path, "--retriever_model", self.retriever_model, "--port", str(self.port),
                 *self.extra_args]
 
