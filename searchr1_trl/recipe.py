@@ -185,6 +185,11 @@ class SearchR1Config(GRPOConfig):
         metadata={"help": "`reload`: save safetensors, server reloads them (no CUDA needed); `nccl`: TRL's NCCL path."},
     )
     weight_sync_dir: str | None = field(default=None, metadata={"help": "Folder for `reload` (shared with server)."})
+    weight_sync_dtype: str | None = field(
+        default=None,
+        metadata={"help": "`reload` only: write the pushed weights in this dtype (e.g. bfloat16, what a GPU server "
+                          "runs: half the bytes of fp32 master weights); None: the trainer's dtype."},
+    )
     generator_max_concurrency: int = knob("vllm_generator", "max_concurrency")
     generator_timeout_s: float = knob("vllm_generator", "timeout_s")
     generator_max_batch_size: int = knob("transformers_generator", "max_batch_size")
@@ -262,6 +267,7 @@ class SearchR1Task:
     sampling: SamplingParams  # of training turns; validation is greedy with the same max_tokens
     rubric: Rubric
     generator: Callable[[Any, Any], Generator]  # (model, tokenizer) -> generator: TRL loads the model first
+    warm_start: WarmStartConfig  # num_traces 0: none
 
 
 def build_task(args: SearchR1Config) -> SearchR1Task:
@@ -291,6 +297,7 @@ def build_task(args: SearchR1Config) -> SearchR1Task:
         sampling=replace(part_config(args, "sampling"), temperature=args.temperature, top_p=args.top_p),
         rubric=rubric,
         generator=generator,
+        warm_start=part_config(args, "warm_start"),
     )
 
 

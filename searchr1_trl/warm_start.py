@@ -20,9 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from searchr1_trl.data import SearchR1Dataset
 from searchr1_trl.generation import Generation, Generator, SamplingParams, end_token_ids
 from searchr1_trl.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.rubric import normalize_answer, retrieval_surfaced_gold
+from searchr1_trl.vllm_server import reload_weights
 
 logger = logging.getLogger(__name__)
 
@@ -117,23 +119,20 @@ async def scripted_traces(tokenizer, env, config, samples, end_ids: set[int], ch
     return rollouts
 
 
-def warm_start(args, model_args) -> str:
-    """Write the traces, fine-tune the recipe's model on them, save it; the folder GRPO starts from."""
+def warm_start(args, model_args, task) -> str:
+    """Write the traces, fine-tune the recipe's model on them, save it; the folder GRPO starts from. ``task`` is the
+    recipe's :class:`~searchr1_trl.recipe.SearchR1Task` (its environment, budgets, question stream and warm-start
+    config)."""
     from datasets import Dataset
     from transformers import AutoTokenizer, GenerationConfig
     from trl import SFTConfig, SFTTrainer, get_peft_config
 
-    from searchr1_trl.data import SearchR1Dataset
-    from searchr1_trl.recipe import build_task, part_config
-    from searchr1_trl.vllm_server import reload_weights
-
-    config = part_config(args, "warm_start")
+    config = task.warm_start
     if args.max_turns < 2:
         raise ValueError(f"warm_start_traces={config.num_traces} teaches a search then an answer, two turns, but "
                          f"max_turns={args.max_turns}: raise max_turns or set warm_start_traces 0")
-    task = build_task(args)
-    stream = replace(part_config(args, "train_stream"), seed=part_config(args, "train_stream").seed + 1)
-    samples = SearchR1Dataset(stream).take(config.num_traces)
+    stream = task.train_stream.config
+    samples = SearchR1Dataset(replace(stream, seed=stream.seed + 1)).take(config.num_traces)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     try:
         generation_config = GenerationConfig.from_pretrained(model_args.model_name_or_path)

@@ -18,6 +18,7 @@ LAYERS = [
     {"shapes", "assets", "generation", "parsing", "processes", "vllm_server"},  # leaves: no task, no loop
     {"rollout"},  # the generic multi-turn loop
     {"data", "env", "rubric"},  # the Search-R1 task
+    {"warm_start"},  # scripted traces of the task, fine-tuned on before GRPO
     {"recipe", "plan", "evaluation"},  # the flat config, its wiring and its checks; EM tables of a policy
     {"trainer"},  # the TRL trainer
 ]

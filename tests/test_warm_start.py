@@ -23,9 +23,9 @@ from searchr1_trl.trainer import SearchR1Config
 from searchr1_trl.warm_start import keep, scripted_traces
 
 
-def traces(tokenizer, retriever_url, questions_file, n: int, **env):
+def traces(tokenizer, retriever_url, questions_file, n: int, topk: int = 3, **env):
     samples = SearchR1Dataset(SearchR1DatasetConfig(data_path=questions_file, data_source=None)).take(n)
-    search = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url, topk=3, **env))
+    search = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url, topk=topk, **env))
 
     async def run():
         try:
@@ -100,13 +100,14 @@ def test_grpo_starts_from_the_warm_started_model(tiny_model_dir, tokenizer, retr
         per_device_train_batch_size=2, gradient_accumulation_steps=1, num_generations=2, max_turns=2,
         max_tokens_per_turn=8, train_data_path=questions_file, eval_data_path=questions_file,
         eval_data_source=None, eval_strategy="no", save_strategy="no", report_to="none",
-        search_url=retriever_url, generator="transformers", restate_question=True, bare_json_tool_calls=True,
-        warm_start_traces=24, warm_start_learning_rate=3e-3, warm_start_epochs=3, warm_start_batch_size=4,
+        search_url=retriever_url, generator="transformers", restate_question=True, bare_json_tool_calls=True, topk=1,
+        # Few, short traces: TRL's SFT loss runs a chunked LM-head kernel that costs seconds a step on CPU.
+        warm_start_traces=12, warm_start_learning_rate=3e-3, warm_start_epochs=3, warm_start_batch_size=4,
     )
     train(args, ModelConfig(model_name_or_path=str(tiny_model_dir), dtype="float32"))
 
     warm = tmp_path / "run" / "warm_start"
-    _, held_out = traces(tokenizer, retriever_url, questions_file, 8, restate_question=True)
+    _, held_out = traces(tokenizer, retriever_url, questions_file, 8, topk=1, restate_question=True)
     assert answer_nll(warm, held_out) < answer_nll(tiny_model_dir, held_out) - 1.0
     # GRPO ran at lr 0 from the warm start: its final weights are the warm start's, not the base model's.
     final, warmed = load_file(tmp_path / "run" / "model.safetensors"), load_file(warm / "model.safetensors")

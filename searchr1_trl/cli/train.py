@@ -71,6 +71,7 @@ def train(args, model_args) -> None:
     push to the Hub when asked."""
     from trl import get_peft_config
 
+    from searchr1_trl.recipe import build_task
     from searchr1_trl.trainer import SearchR1Trainer
     from searchr1_trl.warm_start import warm_start
 
@@ -80,7 +81,7 @@ def train(args, model_args) -> None:
         "attn_implementation": model_args.attn_implementation,
     }
     if args.warm_start_traces and not args.resume_from_checkpoint:  # a resumed run's checkpoint has its weights
-        model_args.model_name_or_path = warm_start(args, model_args)
+        model_args.model_name_or_path = warm_start(args, model_args, build_task(args))
     trainer = SearchR1Trainer(model=model_args.model_name_or_path, args=args, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     evaluated_last_step = any(e.get("step") == trainer.state.global_step and "eval_em" in e
