@@ -251,22 +251,30 @@ class SearchR1Trainer(GRPOTrainer):
         """Save the full (merged, gathered) policy as safetensors and have the server reload it in place."""
         state_dict = self.accelerator.get_state_dict(self.model)
         if self.accelerator.is_main_process:
-            model = self.accelerator.unwrap_model(self.model)
             folder = Path(self.args.weight_sync_dir or Path(self.args.output_dir) / "generator_weights")
-            _check_sync_folder_is_ours(folder)
-            tmp = Path(tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None))
-            if hasattr(model, "merge_and_unload"):  # PEFT: ship base weights with the adapter merged in
-                with _merged_peft_state_dict(model) as merged:
-                    model.get_base_model().save_pretrained(tmp, state_dict=merged, safe_serialization=True)
-            else:
-                model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            (tmp / WEIGHT_SYNC_MARKER).write_text("written by SearchR1Trainer.push_weights_to_generator\n")
-            shutil.rmtree(folder, ignore_errors=True)
-            tmp.rename(folder)
+            self.save_generator_weights(state_dict, folder)
             reload_weights(self.args.generator_url, folder)
             # Loaded: the folder has done its job, and on tmpfs it is memory until deleted (2.5 GB on the CPU recipe).
             shutil.rmtree(folder, ignore_errors=True)
         self.accelerator.wait_for_everyone()
+
+    def save_generator_weights(self, state_dict: dict | None, folder: Path) -> None:
+        """Write what the server loads into ``folder`` (replaced whole, never half-written): the policy's weights,
+        PEFT adapters merged in, in ``weight_sync_dtype`` when set."""
+        dtype = getattr(torch, self.args.weight_sync_dtype) if self.args.weight_sync_dtype else None
+        model = self.accelerator.unwrap_model(self.model)
+        _check_sync_folder_is_ours(folder)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None))
+        with contextlib.ExitStack() as stack:
+            if hasattr(model, "merge_and_unload"):  # PEFT: ship base weights with the adapter merged in
+                state_dict = stack.enter_context(_merged_peft_state_dict(model))
+                model = model.get_base_model()
+            if dtype is not None:
+                state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        (tmp / WEIGHT_SYNC_MARKER).write_text("written by SearchR1Trainer.push_weights_to_generator\n")
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
 
     # ---- validation --------------------------------------------------------------------------------------------
 

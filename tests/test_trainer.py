@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from searchr1_trl.data import SearchR1Dataset
@@ -133,6 +134,26 @@ def test_a_grpo_step_through_the_whole_stack_changes_the_weights_and_syncs_them(
     assert (before - original).abs().max() < tolerance
     assert (after - trained).abs().max() < tolerance
     assert (after - before).abs().max() > 10 * tolerance
+
+
+def test_weight_sync_dtype_writes_the_policy_rounded_to_that_dtype(tiny_model_dir, questions_file, tmp_path):
+    """The bf16 push of the GPU recipes: half the bytes of fp32 master weights, each tensor rounded as the server's
+    own cast would (a GPU server runs bf16; the CPU test server runs fp32, so this checks the file it loads)."""
+    args = small_config(tmp_path, questions_file, "http://127.0.0.1:9/retrieve", generator="transformers",
+                        weight_sync_dtype="bfloat16")
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args)
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():  # off the bf16 grid, as trained fp32 weights are
+            parameter.add_(torch.randn_like(parameter) * 1e-3)
+    folder = tmp_path / "generator_weights"
+    trainer.save_generator_weights(trainer.accelerator.get_state_dict(trainer.model), folder)
+    written = load_file(folder / "model.safetensors")
+    policy = trainer.model.state_dict()  # lm_head included (tied to the embedding)
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
+    assert written.keys() <= policy.keys() and "model.embed_tokens.weight" in written
+    for name, tensor in written.items():
+        assert torch.equal(tensor, policy[name].detach().to(torch.bfloat16))
+    assert any(not torch.equal(t.float(), policy[n].detach()) for n, t in written.items())
 
 
 @pytest.mark.slow
