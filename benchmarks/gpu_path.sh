@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_path.sh learn_1gpu     # offline_gpu as committed (vLLM beside the trainer, tmpfs reload) on
 #                                              # GPU 0, and the same on GPU 1 validated on the first 200 dev rows
 #   bash benchmarks/gpu_path.sh qwen3_1_7b     # the qwen3_1_7b recipe's mechanics with a random-weight Qwen3-1.7B
+#   bash benchmarks/gpu_path.sh beat_rag <gpu> <seed> [recipe flags]  # offline_gpu on one GPU, warm start + GRPO
+#   bash benchmarks/gpu_path.sh eval_table <gpu> <name> <checkpoint>...  # direct / rag / agent, 500 seeded questions
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source /root/searchr1_env.sh
@@ -58,5 +60,25 @@ case "${1:?step}" in
       --output_dir "$RUNS/qwen3_1_7b" --generator_gpu 0 --trainer_gpu 1 --retriever_gpu 1 --launcher accelerate \
       --generator_gpu_memory_utilization 0.5 --vllm_tensor_parallel_size 1 --max_steps 3 --eval_strategy no \
       --eval_on_start false --report_to none --save_strategy no ;;
+  beat_rag)
+    gpu=${2:?gpu} seed=${3:?seed}; shift 3
+    python3 scripts/offline_job.py --config offline_gpu --corpus full --output_dir "$RUNS/beat_rag_s$seed" \
+      --generator_gpu "$gpu" --trainer_gpu "$gpu" --retriever_gpu "$gpu" \
+      --retriever_port $((8100 + 10 * seed)) --generator_port $((8101 + 10 * seed)) $EAGER \
+      --seed "$seed" --data_seed "$seed" "$@" ;;
+  eval_table)
+    gpu=${2:?gpu} name=${3:?name}; shift 3
+    out=$RUNS/eval_$name; mkdir -p "$out"
+    CUDA_VISIBLE_DEVICES=$gpu python3 -m retriever_server.build_index --corpus_path "$CACHE/data/squad_open/corpus.jsonl" \
+      --retriever_model "$CACHE/models/all-MiniLM-L6-v2" --index_path "$out/index.faiss"
+    CUDA_VISIBLE_DEVICES=$gpu setsid python3 -m retriever_server.server --index_path "$out/index.faiss" \
+      --corpus_path "$CACHE/data/squad_open/corpus.jsonl" --retriever_model "$CACHE/models/all-MiniLM-L6-v2" \
+      --faiss_gpu --gpu_backend torch --host 127.0.0.1 --port 8200 >"$out/retriever.log" 2>&1 &
+    for _ in $(seq 300); do curl -sf http://127.0.0.1:8200/health >/dev/null && break; sleep 1; done
+    CUDA_VISIBLE_DEVICES=$gpu python3 -m searchr1_trl.cli.eval --checkpoints "$@" \
+      --data "$CACHE/data/squad_open/test.parquet" --num_samples 500 --sample_seed 0 --methods direct rag agent \
+      --generator transformers --search_url http://127.0.0.1:8200/retrieve --topk 3 --max_turns 3 \
+      --max_tokens_per_turn 128 --restate_question true --bare_json_tool_calls true --output_dir "$out"
+    pkill -f "port 8200" || true ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
