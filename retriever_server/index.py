@@ -136,7 +136,7 @@ class TorchFlatIndex:
     Nothing in ``search`` waits for the GPU until the final copy of k results per query back to the host.
     """
 
-    def __init__(self, shards: list, score_bytes: int = 1 << 30, group_rows: int = 64, rescore_margin: int = 8):
+    def __init__(self, shards: list, score_bytes: int = 1 << 30, group_rows: int = 256, rescore_margin: int = 8):
         self.shards = shards
         self.offsets = np.cumsum([0] + [len(s) for s in shards])[:-1].tolist()
         self.ntotal = int(sum(len(s) for s in shards))
