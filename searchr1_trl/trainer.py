@@ -363,6 +363,9 @@ class SearchR1Trainer(GRPOTrainer):
             f"- retriever: `{args.search_url}`, top-{args.topk} passages",
             f"- rollouts: {args.num_generations} per question, max_turns={args.max_turns}, "
             f"max_rollout_tokens={args.max_rollout_tokens}, max_tokens_per_turn={args.max_tokens_per_turn}",
+            "- warm start: " + (f"{args.warm_start_traces} scripted search -> answer traces (warm_start.py), "
+                                f"lr={args.warm_start_learning_rate}, epochs={args.warm_start_epochs}"
+                                if args.warm_start_traces else "none"),
             f"- loss: {args.loss_type}, epsilon={args.epsilon}, epsilon_high={args.epsilon_high}, beta={args.beta}, "
             f"lr={args.learning_rate}",
             f"- final validation EM: {final_em}", "",

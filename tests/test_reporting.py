@@ -50,4 +50,5 @@ def test_the_model_card_holds_recipe_data_retriever_and_final_em(reported_run, q
     assert "- recipe: `offline`" in text
     assert f"- training questions: `{questions_file}`" in text
     assert f"- retriever: `{retriever_url}`, top-3 passages" in text
+    assert "- warm start: none" in text
     assert f"- final validation EM: {final['eval_em']:.3f} at step {final['step']}" in text
