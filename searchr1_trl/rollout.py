@@ -39,6 +39,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,6 +171,10 @@ class RolloutEngine:
         self.config = config or RolloutConfig()
         self._chat_template = _prefix_preserving_chat_template(tokenizer)
         self._parse = response_parser(tokenizer, env.tools, bare_json_tool_calls=self.config.bare_json_tool_calls)
+        self._split_at = _split_tokens(tokenizer)
+        self._text_cut = _tokenizes_alone(tokenizer, self._split_at)
+        self._encode_prompt = functools.lru_cache(maxsize=1024)(
+            functools.partial(tokenizer.encode, add_special_tokens=False))
 
     async def run(self, samples: list, params: SamplingParams) -> list[Rollout]:
         """Roll out every sample concurrently; results in input order.
@@ -187,7 +192,7 @@ class RolloutEngine:
         started = time.perf_counter()
         timings = {"generate_s": 0.0, "env_s": 0.0}
         messages = list(self.env.initial_messages(sample) if messages is None else messages)
-        prompt_ids = self.render(messages, add_generation_prompt=True)
+        prompt_ids = self._initial_prompt(messages)
         completion_ids: list[int] = []
         env_mask: list[int] = []
         logprobs: list[float] = []
@@ -260,6 +265,18 @@ class RolloutEngine:
             )
         )
 
+    def _render_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """:meth:`render` before tokenization (``render`` tokenizes this text without adding special tokens)."""
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.env.tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
+            chat_template=self._chat_template, enable_thinking=self.config.enable_thinking,
+        )
+
+    def _initial_prompt(self, messages: list[dict]) -> list[int]:
+        """``render(messages, add_generation_prompt=True)``, its text tokenized once: the rollouts of a GRPO group
+        start from one prompt."""
+        return list(self._encode_prompt(self._render_text(messages, add_generation_prompt=True)))
+
     def _env_suffix(self, messages: list[dict], env_messages: list[dict], generated_ids: list[int]) -> list[int]:
         """Tokens to append after the model's turn: template glue, ``env_messages`` and the next generation prompt.
 
@@ -267,28 +284,80 @@ class RolloutEngine:
         ``...<|im_end|>`` | ``\n<|im_start|>user\n<tool_response>...<|im_start|>assistant\n``). If the model
         stopped on a token the template does not end turns with, the template's own end-of-turn token is appended as
         glue, so the next turn still sees a well-formed conversation.
+
+        Only the text after the cut is tokenized when that gives the very tokens of the whole rendering (the cut
+        falls at an added token, which the tokenizer splits the text at, and :func:`_tokenizes_alone` holds):
+        tokenizing the whole conversation, passages included, twice per environment step was half of the engine's
+        CPU time per rollout-turn (``benchmarks/engine_overhead.py``).
         """
+        stop, eos = generated_ids[-1], self.tokenizer.eos_token_id
+        stop_text, eos_text = self._split_at.get(stop), self._split_at.get(eos)
+        if self._text_cut and stop_text is not None and (eos is None or eos_text is not None):
+            before = self._render_text(messages, add_generation_prompt=False)
+            after = self._render_text(messages + env_messages, add_generation_prompt=True)
+            return self.tokenizer.encode(_after_turn(before, after, stop_text, eos_text), add_special_tokens=False)
         before = self.render(messages, add_generation_prompt=False)
         after = self.render(messages + env_messages, add_generation_prompt=True)
-        stop = generated_ids[-1]
-        if stop in before:
-            cut = len(before) - before[::-1].index(stop)
-        elif self.tokenizer.eos_token_id in before:
-            cut = len(before) - 1 - before[::-1].index(self.tokenizer.eos_token_id)
-        else:
-            raise ValueError(
-                f"cannot find the end of the assistant turn: neither the model's stop token {stop} nor the "
-                f"tokenizer's eos token {self.tokenizer.eos_token_id} appears in the rendered conversation"
-            )
-        if after[:cut] != before[:cut]:
-            raise ValueError(
-                "the chat template renders the conversation differently once environment messages follow, so the "
-                "environment's tokens cannot be appended without re-tokenizing earlier turns"
-            )
-        return after[cut:]
+        return _after_turn(before, after, stop, eos)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _after_turn(before, after, stop, end_of_turn):
+    """``after`` from just past the model's turn in ``before``: after the last ``stop`` in ``before``, else from its
+    last ``end_of_turn`` on. Works on token lists (``stop``, ``end_of_turn``: ids) and on rendered text (their
+    strings) alike; ValueError when neither is in ``before`` or ``after`` does not start like ``before``."""
+    if (at := _rfind(before, stop)) >= 0:
+        cut = at + (len(stop) if isinstance(stop, str) else 1)
+    elif (at := _rfind(before, end_of_turn)) >= 0:
+        cut = at
+    else:
+        raise ValueError(
+            f"cannot find the end of the assistant turn: neither the model's stop token {stop!r} nor the "
+            f"tokenizer's eos token {end_of_turn!r} appears in the rendered conversation"
+        )
+    if after[:cut] != before[:cut]:
+        raise ValueError(
+            "the chat template renders the conversation differently once environment messages follow, so the "
+            "environment's tokens cannot be appended without re-tokenizing earlier turns"
+        )
+    return after[cut:]
+
+
+def _rfind(sequence: str | list[int], item: str | int | None) -> int:
+    """Index of the last ``item`` in ``sequence`` (a substring of a str, an element of a list); -1 if none."""
+    if item is None:
+        return -1
+    if isinstance(sequence, str):
+        return sequence.rfind(item)
+    return len(sequence) - 1 - sequence[::-1].index(item) if item in sequence else -1
+
+
+def _split_tokens(tokenizer) -> dict[int, str]:
+    """``{id: text}`` of the added tokens the tokenizer cuts the text at exactly, so that the text on either side is
+    tokenized on its own (no stripping of neighbouring spaces, no whole-word or normalised matching)."""
+    return {
+        i: token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+        if not (token.lstrip or token.rstrip or token.single_word or token.normalized)
+    }
+
+
+def _tokenizes_alone(tokenizer, split_at: dict[int, str]) -> bool:
+    """Whether a text that starts right after an added token gets the same tokens alone as within a longer text.
+
+    True for Qwen's byte-level BPE; false for a tokenizer that adds a space to the start of a text (e.g.
+    SentencePiece's ``prepend_scheme="first"``), for which the engine tokenizes whole conversations instead.
+    """
+    if tokenizer.eos_token_id not in split_at or not getattr(tokenizer, "is_fast", False):
+        return False
+    eos = split_at[tokenizer.eos_token_id]
+    for text in (" Doc 1(Title: Paris) A city.\n", "\n\nDoc", "Hello world", "\u00e9t\u00e9 \u6587"):
+        whole = tokenizer.encode(f"a b{eos}{text}", add_special_tokens=False)
+        alone = tokenizer.encode(text, add_special_tokens=False)
+        if whole[_rfind(whole, tokenizer.eos_token_id) + 1:] != alone:
+            return False
+    return True
 
 
 def _check_generation(generation: Generation) -> None:

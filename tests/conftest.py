@@ -41,6 +41,17 @@ LOOKUP_TOOL = {
 }
 
 
+def template_tokenizer(offline_assets, template: str | None):
+    """A fresh offline Qwen2.5 tokenizer with its own chat template (None) or one of TRL's bundled templates."""
+    import trl
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(offline_assets.model)
+    if template:
+        tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / template).read_text()
+    return tokenizer
+
+
 @pytest.fixture(scope="session")
 def offline_assets():
     from searchr1_trl.assets import require

@@ -7,7 +7,7 @@ the prompt it followed, and checks the message the environment would read (None:
 from __future__ import annotations
 
 import pytest
-from conftest import LOOKUP_TOOL
+from conftest import LOOKUP_TOOL, template_tokenizer
 
 from searchr1_trl.parsing import parse_tool_call_blocks, response_parser
 
@@ -111,3 +111,29 @@ def test_bare_json_calls_one_per_line_are_several_calls_unless_one_is_no_call(pa
 def test_bare_json_beyond_repair_stays_an_answer(parse):
     broken = '{"name": "lookup", "arguments": {"que'  # cut inside a string
     assert parse(broken + "<|im_end|>", bare_json=True) == {"role": "assistant", "content": broken}
+
+
+@pytest.mark.parametrize(("template", "enable_thinking"),
+                         [(None, False), ("qwen3.jinja", False), ("qwen3.jinja", True)])
+def test_a_long_prompt_is_read_as_if_decoded_whole(offline_assets, monkeypatch, template, enable_thinking):
+    import searchr1_trl.parsing
+
+    tokenizer = template_tokenizer(offline_assets, template)
+    passages = "Doc 1(Title: Été) " + "Paris is the capital of France. " * 40
+    conversation = [{"role": "user", "content": "Question: q"},
+                    {"role": "assistant", "content": "", "tool_calls": [lookup("a")]},
+                    {"role": "tool", "name": "lookup", "content": passages}]
+    prompt = tokenizer.apply_chat_template(conversation, tools=[LOOKUP_TOOL], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False, enable_thinking=enable_thinking)
+    prefilled = prompt + tokenizer.encode(" word" * 80)  # no anchor in its last PREFIX_TAIL_TOKENS
+    turns = [" Paris\n<|im_end|>", "<think>\nHm.\n</think>\n\nParis<|im_end|>",
+             '<tool_call>\n{"name": "lookup", "arguments": {"query": "b"}}\n</tool_call><|im_end|>']
+    cases = [(tokenizer.encode(turn), prefix) for turn in turns for prefix in (prompt, prefilled)]
+    assert len(prompt) > searchr1_trl.parsing.PREFIX_TAIL_TOKENS
+
+    parse = response_parser(tokenizer, [LOOKUP_TOOL])
+    from_tail = [parse(ids, prefix) for ids, prefix in cases]
+    monkeypatch.setattr(searchr1_trl.parsing, "PREFIX_TAIL_TOKENS", 10**9)
+
+    assert from_tail == [parse(ids, prefix) for ids, prefix in cases]
+    assert from_tail[0] == {"role": "assistant", "content": "Paris"}

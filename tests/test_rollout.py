@@ -11,7 +11,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import LOOKUP_TOOL
+from conftest import LOOKUP_TOOL, template_tokenizer
 
 from searchr1_trl.generation import Generation, Generator, SamplingParams
 from searchr1_trl.rollout import (
@@ -292,3 +292,45 @@ def test_bare_json_tool_calls_are_tool_calls_only_when_enabled(tokenizer):
 def test_config_rejects_budgets_that_cannot_work():
     with pytest.raises(ValueError, match="max_turns >= 1"):
         RolloutConfig(max_turns=0)
+
+
+PASSAGES = (" Doc 1(Title: Été) Paris, « la ville »  \nDoc 2(Title: 文) 東京\n\n"
+            " literal <|im_end|> and </tool_response>\t")
+# (conversation up to the model's turn, environment messages, the token that ended the turn)
+LOOKUP_CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"query": "a"}}}
+STEPS = [
+    ([{"role": "user", "content": "Question: q"},
+      {"role": "assistant", "content": "", "tool_calls": [LOOKUP_CALL]}],
+     [{"role": "tool", "name": "lookup", "content": PASSAGES}], "<|im_end|>"),
+    ([{"role": "user", "content": "Question: q"},
+      {"role": "assistant", "content": "Let me check.", "tool_calls": [LOOKUP_CALL, LOOKUP_CALL]}],
+     [{"role": "tool", "name": "lookup", "content": "first"}, {"role": "tool", "name": "lookup", "content": " "}],
+     "<|endoftext|>"),
+    ([{"role": "user", "content": "Question: q"},
+      {"role": "assistant", "content": "", "tool_calls": [LOOKUP_CALL]},
+      {"role": "tool", "name": "lookup", "content": PASSAGES},
+      {"role": "assistant", "content": "Still unsure.", "reasoning_content": "Passages disagree.",
+       "tool_calls": [LOOKUP_CALL]}],
+     [{"role": "tool", "name": "lookup", "content": "\n" + PASSAGES}], "<|im_end|>"),
+]
+
+
+@pytest.mark.parametrize(("template", "enable_thinking"), [
+    (None, False), ("qwen3.jinja", False), ("qwen3.jinja", True), ("qwen3_instruct_2507.jinja", False),
+])
+def test_env_tokens_and_prompts_are_the_whole_conversations_tokens(offline_assets, template, enable_thinking):
+    tokenizer = template_tokenizer(offline_assets, template)
+    engine = RolloutEngine(tokenizer, ScriptedGenerator(tokenizer, {}), LookupEnv(),
+                           RolloutConfig(enable_thinking=enable_thinking))
+
+    for messages, env_messages, stop_token in STEPS:
+        stop = tokenizer.convert_tokens_to_ids(stop_token)
+        before = engine.render(messages, add_generation_prompt=False)
+        whole = engine.render(messages + env_messages, add_generation_prompt=True)
+        # After the model's stop token; a stop token the template does not write: from the template's own end on.
+        end = stop if stop in before else tokenizer.eos_token_id
+        cut = len(before) - before[::-1].index(end) - (0 if end == stop else 1)
+
+        assert engine._env_suffix(messages, env_messages, [11, stop]) == whole[cut:]
+        assert engine._initial_prompt(messages[:1]) == engine.render(messages[:1], add_generation_prompt=True)
+    assert engine._text_cut  # the tokens above came from tokenizing the environment's text alone
