@@ -94,6 +94,9 @@ def test_tool_tokens_never_enter_the_loss(masking_trainer):
     env = inputs["tool_mask"] * inputs["completion_mask"] == 0
     real = inputs["completion_mask"].bool()
     assert (env & real).any(), "at least one rollout searched, so there are tool tokens to exclude"
+    # Every row weighs in the loss: sampled groups whose two rollouts read alike get advantage 0, and a searching
+    # group with advantage 0 would make the check below pass whatever the mask (seen once in CI).
+    inputs["advantages"] = torch.linspace(1.0, -1.0, len(inputs["advantages"])) + 0.1
     loss = trainer.compute_loss(trainer.model, inputs).item()
     # Distort the old policy's logprobs on tool tokens only: the clipped ratio there changes wildly, so the loss
     # would change if tool tokens counted.
