@@ -156,7 +156,7 @@ def warm_start(args, model_args, task) -> str:
         per_device_train_batch_size=config.batch_size, gradient_accumulation_steps=1,
         lr_scheduler_type="constant", warmup_steps=0, max_length=None, bf16=args.bf16, seed=args.seed,
         logging_steps=args.logging_steps, save_strategy="no", report_to=args.report_to, run_name=args.run_name,
-        model_init_kwargs=args.model_init_kwargs, gradient_checkpointing=args.gradient_checkpointing,
+        model_init_kwargs=args.model_init_kwargs, activation_checkpointing=args.activation_checkpointing,
         deepspeed=args.deepspeed,
     )
     trainer = SFTTrainer(model=model_args.model_name_or_path, args=sft_args, train_dataset=dataset,
@@ -164,10 +164,7 @@ def warm_start(args, model_args, task) -> str:
     trainer.train()
     if hasattr(trainer.model, "merge_and_unload"):  # PEFT: GRPO starts from the merged weights (its own adapter)
         trainer.model = trainer.model.merge_and_unload()
-    trainer.save_model(str(output_dir))
-    tokenizer.save_pretrained(output_dir)
-    if generation_config is not None:
-        generation_config.save_pretrained(output_dir)
+    trainer.save_model(str(output_dir))  # with the tokenizer and the model's generation config
     if trainer.accelerator.is_main_process and args.generator == "vllm" and args.weight_sync == "reload":
         reload_weights(args.generator_url, output_dir)
     trainer.accelerator.wait_for_everyone()

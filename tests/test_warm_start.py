@@ -107,6 +107,7 @@ def test_grpo_starts_from_the_warm_started_model(tiny_model_dir, tokenizer, retr
     train(args, ModelConfig(model_name_or_path=str(tiny_model_dir), dtype="float32"))
 
     warm = tmp_path / "run" / "warm_start"
+    assert (warm / "tokenizer.json").is_file() and (warm / "generation_config.json").is_file()
     _, held_out = traces(tokenizer, retriever_url, questions_file, 8, topk=1, restate_question=True)
     assert answer_nll(warm, held_out) < answer_nll(tiny_model_dir, held_out) - 1.0
     # GRPO ran at lr 0 from the warm start: its final weights are the warm start's, not the base model's.
