@@ -61,6 +61,13 @@ class LoadResult:
         return float(np.percentile(self.latencies_ms, q))
 
 
+def add_index_arguments(parser: argparse.ArgumentParser, assets) -> None:
+    """The corpus, encoder and size of the index :func:`prepare_index` builds (defaults: the offline ``assets``)."""
+    parser.add_argument("--corpus_path", default=assets.corpus, help="wiki-18-format JSONL (default: SQuAD-open)")
+    parser.add_argument("--retriever_model", default=assets.embedder, help="embedding model (default: MiniLM)")
+    parser.add_argument("--max_passages", type=int, default=None, help="index only the first N passages")
+
+
 def prepare_index(corpus_path: str, retriever_model: str, max_passages: int | None, build_flags: list[str]
                   ) -> tuple[Path, Path]:
     """(index, corpus) for the first ``max_passages`` passages, built once and cached."""
@@ -202,9 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     assets = require()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus_path", default=assets.corpus, help="wiki-18-format JSONL (default: SQuAD-open)")
-    parser.add_argument("--retriever_model", default=assets.embedder, help="embedding model (default: MiniLM)")
-    parser.add_argument("--max_passages", type=int, default=None, help="index only the first N passages")
+    add_index_arguments(parser, assets)
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients")
     parser.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 1) // 4),
                         help="load-generator processes the clients are spread over (default: a quarter of the CPUs)")

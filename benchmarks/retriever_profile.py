@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from benchmarks.report import report
-from benchmarks.retriever_load import Connection, prepare_index
+from benchmarks.retriever_load import Connection, add_index_arguments, prepare_index
 from retriever_server.batching import BatcherConfig
 from retriever_server.encoder import EncoderConfig
 from retriever_server.index import SearchConfig
@@ -115,9 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     assets = require()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus_path", default=assets.corpus, help="wiki-18-format JSONL (default: SQuAD-open)")
-    parser.add_argument("--retriever_model", default=assets.embedder, help="embedding model (default: MiniLM)")
-    parser.add_argument("--max_passages", type=int, default=None, help="index only the first N passages")
+    add_index_arguments(parser, assets)
     parser.add_argument("--queries_per_request", type=int, default=64)
     parser.add_argument("--topk", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=30)

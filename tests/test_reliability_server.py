@@ -56,16 +56,21 @@ def test_a_query_that_fails_its_batch_fails_only_its_own_request():
     assert (counted.batch_errors, counted.bad_queries) == (1, 1)
 
 
-def test_a_big_request_is_served_in_slices_with_newcomers_first():
-    order: list[list[str]] = []
-
+def slow_search(order: list[list[str]]):
+    """A search that records each batch's queries in ``order`` and takes 50 ms."""
     def search(queries, topks):
         order.append(list(queries))
         time.sleep(0.05)
         return [Hits([], []) for _ in queries]
 
+    return search
+
+
+def test_a_big_request_is_served_in_slices_with_newcomers_first():
+    order: list[list[str]] = []
+
     async def main():
-        batcher = MicroBatcher(search, BatcherConfig(max_batch_size=4, max_wait_ms=0), Metrics())
+        batcher = MicroBatcher(slow_search(order), BatcherConfig(max_batch_size=4, max_wait_ms=0), Metrics())
         await batcher.start()
         big = asyncio.ensure_future(batcher.submit([f"big{i}" for i in range(12)], 1))
         await asyncio.sleep(0.02)  # the first slice of the big request is running
@@ -85,13 +90,9 @@ def batches_formed(max_batch_size: int, first: list[list[str]], newcomers: list[
     batch runs (each search takes 50 ms)."""
     order: list[list[str]] = []
 
-    def search(queries, topks):
-        order.append(list(queries))
-        time.sleep(0.05)
-        return [Hits([], []) for _ in queries]
-
     async def main():
-        batcher = MicroBatcher(search, BatcherConfig(max_batch_size=max_batch_size, max_wait_ms=20), Metrics())
+        batcher = MicroBatcher(slow_search(order), BatcherConfig(max_batch_size=max_batch_size, max_wait_ms=20),
+                               Metrics())
         await batcher.start()
         sent = [asyncio.ensure_future(batcher.submit(q, 1)) for q in first]
         await asyncio.sleep(0.04)
