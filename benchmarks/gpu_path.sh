@@ -66,19 +66,9 @@ case "${1:?step}" in
       --generator_gpu "$gpu" --trainer_gpu "$gpu" --retriever_gpu "$gpu" \
       --retriever_port $((8100 + 10 * seed)) --generator_port $((8101 + 10 * seed)) $EAGER \
       --seed "$seed" --data_seed "$seed" "$@" ;;
-  eval_table)
+  eval_table)  # the retriever on that GPU's host, each checkpoint in-process on that GPU
     gpu=${2:?gpu} name=${3:?name}; shift 3
-    out=$RUNS/eval_$name; mkdir -p "$out"
-    CUDA_VISIBLE_DEVICES=$gpu python3 -m retriever_server.build_index --corpus_path "$CACHE/data/squad_open/corpus.jsonl" \
-      --retriever_model "$CACHE/models/all-MiniLM-L6-v2" --index_path "$out/index.faiss"
-    CUDA_VISIBLE_DEVICES=$gpu setsid python3 -m retriever_server.server --index_path "$out/index.faiss" \
-      --corpus_path "$CACHE/data/squad_open/corpus.jsonl" --retriever_model "$CACHE/models/all-MiniLM-L6-v2" \
-      --faiss_gpu --gpu_backend torch --host 127.0.0.1 --port 8200 >"$out/retriever.log" 2>&1 &
-    for _ in $(seq 300); do curl -sf http://127.0.0.1:8200/health >/dev/null && break; sleep 1; done
-    CUDA_VISIBLE_DEVICES=$gpu python3 -m searchr1_trl.cli.eval --checkpoints "$@" \
-      --data "$CACHE/data/squad_open/test.parquet" --num_samples 500 --sample_seed 0 --methods direct rag agent \
-      --generator transformers --search_url http://127.0.0.1:8200/retrieve --topk 3 --max_turns 3 \
-      --max_tokens_per_turn 128 --restate_question true --bare_json_tool_calls true --output_dir "$out"
-    pkill -f "port 8200" || true ;;
+    CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \
+      --generator transformers --max_concurrency 256 --retriever_port 8200 --output_dir "$RUNS/eval_$name" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

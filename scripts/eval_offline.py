@@ -2,17 +2,20 @@
 
     python scripts/eval_offline.py --num_samples 32 --output_dir runs/eval_cpu            # 2-core CPU, ~20 min
     python scripts/eval_offline.py --checkpoints <base> <trained> --corpus full ...       # more checkpoints, GPU
+    python scripts/eval_offline.py ... --generator transformers --max_concurrency 256     # in-process, no vLLM
 
 Samples the SQuAD-open dev questions exactly as ``searchr1-eval`` does (seeded, across articles), indexes a corpus
 slice that holds every sampled question's article plus ``--distractors`` Wikipedia leads (the whole 31k-passage
 corpus takes ~12 minutes to embed on 2 cores; ``--corpus full`` indexes it all), starts the retriever and one
-``trl vllm-serve`` per checkpoint in turn, and runs the three methods with the offline recipes' env and rollout
-settings. Every setting and the ``searchr1-eval`` command line go to ``<output_dir>/command.txt``.
+``trl vllm-serve`` per checkpoint in turn (none with ``--generator transformers``), and runs the three methods with
+the offline recipes' env and rollout settings. Every setting and the ``searchr1-eval`` command line go to
+``<output_dir>/command.txt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shlex
@@ -58,6 +61,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["direct", "rag", "agent"])
     parser.add_argument("--corpus", choices=["slice", "full"], default="slice")
     parser.add_argument("--distractors", type=int, default=500)
+    parser.add_argument("--generator", choices=["vllm", "transformers"], default="vllm",
+                        help="vllm: a trl vllm-serve per checkpoint; transformers: each checkpoint in-process")
+    parser.add_argument("--max_concurrency", type=int, default=8, help="rollouts in flight (8 suits a CPU vLLM)")
     parser.add_argument("--output_dir", default="runs/eval_cpu")
     parser.add_argument("--retriever_port", type=int, default=8020)
     parser.add_argument("--generator_port", type=int, default=8021)
@@ -86,16 +92,17 @@ def main() -> None:
         for checkpoint in checkpoints:
             server = VLLMServerConfig.for_this_machine(checkpoint, port=args.generator_port,
                                                        log_file=str(out / "vllm.log"), startup_timeout_s=1200)
+            generator = (["--generator", "vllm", "--vllm_server_base_url", server.base_url] if args.generator == "vllm"
+                         else ["--generator", "transformers"])
             command = [
                 "searchr1-eval", "--checkpoints", checkpoint, "--data", assets.test_questions,
                 "--num_samples", str(args.num_samples), "--sample_seed", str(args.sample_seed),
-                "--methods", *args.methods, "--search_url", retriever.url, "--generator", "vllm",
-                "--vllm_server_base_url", server.base_url, "--max_concurrency", "8", "--output_dir", str(out),
-                *AGENT_SETTINGS,
+                "--methods", *args.methods, "--search_url", retriever.url, *generator,
+                "--max_concurrency", str(args.max_concurrency), "--output_dir", str(out), *AGENT_SETTINGS,
             ]
             with open(out / "command.txt", "a") as f:
                 f.write(shlex.join(command) + "\n")
-            with VLLMServer(server):
+            with VLLMServer(server) if args.generator == "vllm" else contextlib.nullcontext():
                 logger.info("evaluating %s after %.0fs", checkpoint, time.monotonic() - start)
                 eval_cli.main(command[1:])
     logger.info("done in %.0fs: %s", time.monotonic() - start, out / eval_cli.RESULTS_MD)

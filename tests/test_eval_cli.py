@@ -145,3 +145,20 @@ def eval_cli_configs(checkpoint, data, out, generator_url, retriever_url):
                                  vllm_server_base_url=[generator_url], max_concurrency=8)
     return config, eval_cli.PolicyConfig(search_url=retriever_url, restate_question=True, max_turns=2,
                                          bare_json_tool_calls=True, max_tokens_per_turn=32)
+
+
+@pytest.mark.slow  # builds an index and starts the real retriever
+def test_eval_offline_with_in_process_generation_starts_its_retriever_and_no_vllm(tiny_model_dir, tmp_path):
+    from conftest import free_port
+
+    out = tmp_path / "eval"
+    subprocess.run([sys.executable, "scripts/eval_offline.py", "--checkpoints", str(tiny_model_dir),
+                    "--num_samples", "2", "--distractors", "10", "--methods", "direct", "rag",
+                    "--generator", "transformers", "--retriever_port", str(free_port()), "--output_dir", str(out)],
+                   cwd=ROOT, check=True, timeout=900)
+    table = (out / eval_cli.RESULTS_MD).read_text()
+    assert "| direct |" in table and "| rag |" in table and "| agent |" not in table
+    command = (out / "command.txt").read_text()
+    assert "--generator transformers" in command and "--vllm_server_base_url" not in command
+    assert not (out / "vllm.log").exists()
+    assert len((out / "traces.jsonl").read_text().splitlines()) == 4  # 2 questions x 2 methods
