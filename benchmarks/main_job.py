@@ -7,7 +7,8 @@ counted once in total) and summed RSS, the peak RSS of each role (index build, r
 job itself), the peak growth of ``/dev/shm`` (the weight-sync folder: tmpfs files are memory too), and the job's own
 ``summary.json`` (EM before/after, per-step time split). ``peak_total_gib`` is the peak of the tree's anonymous and
 file-backed PSS plus the larger of its shared-memory PSS and the ``/dev/shm`` growth (the server maps the sync
-folder's files while loading them: counted once).
+folder's files while loading them: counted once); ``at_peak`` says when it peaked (seconds from the start) and what
+each role's PSS and the ``/dev/shm`` growth were at that sample.
 
     python -m benchmarks.main_job --out docs/results/main_job_cpu.jsonl -- --output_dir runs/offline
 
@@ -66,12 +67,15 @@ def smaps_rollup(pid: int) -> dict[str, int]:
 class Sampler(threading.Thread):
     """Peak summed PSS / RSS of a process tree, per-role peak RSS, CPU seconds and the peak growth of /dev/shm."""
 
-    def __init__(self, pid: int, interval: float):
+    def __init__(self, pid: int, interval: float, timeline: str | None = None):
         super().__init__(daemon=True)
+        self.timeline = open(timeline, "w") if timeline else None  # noqa: SIM115 (closed when the thread ends)
         self.root, self.interval = psutil.Process(pid), interval
         self.shm_at_start = shutil.disk_usage("/dev/shm").used
         self.peak_pss = self.peak_rss = self.peak_shm = self.peak_total = 0
         self.peak_by_role: dict[str, int] = defaultdict(int)
+        self.at_peak: dict[str, float | dict[str, int]] = {}  # when the total peaked, and each role's PSS then
+        self.started = time.monotonic()
         self.cpu_s: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds at its last sample)
         self.roles: dict[int, str] = {}
         self.samples, self.load_sum = 0, 0.0
@@ -90,9 +94,10 @@ class Sampler(threading.Thread):
             try:
                 processes = [self.root, *self.root.children(recursive=True)]
             except psutil.Error:
-                return
+                break
             pss = rss = anon_file = shmem = 0
             by_role: dict[str, int] = defaultdict(int)
+            pss_by_role: dict[str, int] = defaultdict(int)
             for p in processes:
                 try:
                     name = self.roles.setdefault(p.pid, role(p))
@@ -101,6 +106,7 @@ class Sampler(threading.Thread):
                 except (psutil.Error, OSError):
                     continue  # exited between listing and reading
                 by_role[name] += rollup["Rss"]
+                pss_by_role[name] += rollup["Pss"]
                 self.cpu_s[p.pid] = (name, times.user + times.system)
                 pss, rss = pss + rollup["Pss"], rss + rollup["Rss"]
                 anon_file += rollup.get("Pss_Anon", 0) + rollup.get("Pss_File", 0)
@@ -111,9 +117,17 @@ class Sampler(threading.Thread):
             self.samples += 1
             self.load_sum += os.getloadavg()[0]
             self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
+            if total > self.peak_total:
+                self.at_peak = {"t_s": round(time.monotonic() - self.started), "shm": shm, **pss_by_role}
             self.peak_shm, self.peak_total = max(self.peak_shm, shm), max(self.peak_total, total)
             for name, value in by_role.items():
                 self.peak_by_role[name] = max(self.peak_by_role[name], value)
+            if self.timeline:
+                self.timeline.write(json.dumps({"t_s": round(time.monotonic() - self.started, 1),
+                                                "total_gib": round(total / GIB, 2), "shm_gib": round(shm / GIB, 2),
+                                                **{k: round(v / GIB, 2) for k, v in pss_by_role.items()}}) + "\n")
+        if self.timeline:
+            self.timeline.close()
 
 
 def main() -> None:
@@ -123,6 +137,7 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=2.0, help="seconds between samples")
     parser.add_argument("--label", default="", help="what this run changes (goes into the JSON line)")
     parser.add_argument("--out", help="append the JSON line to this file (docs/results/main_job_cpu.jsonl)")
+    parser.add_argument("--timeline", help="write every sample (total and each role's PSS, GiB) to this JSONL file")
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     output_dir = job_args[job_args.index("--output_dir") + 1] if "--output_dir" in job_args else "runs/offline"
 
@@ -130,7 +145,7 @@ def main() -> None:
     start = time.monotonic()
     job = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "offline_job.py"), *job_args],
                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    sampler = Sampler(job.pid, args.interval)
+    sampler = Sampler(job.pid, args.interval, args.timeline)
     sampler.start()
     returncode = job.wait()
     wall = time.monotonic() - start
@@ -145,6 +160,7 @@ def main() -> None:
         "peak_pss_gib": round(sampler.peak_pss / GIB, 2), "peak_rss_gib": round(sampler.peak_rss / GIB, 2),
         "peak_shm_gib": round(sampler.peak_shm / GIB, 2),
         "peak_rss_gib_by_role": {k: round(v / GIB, 2) for k, v in sorted(sampler.peak_by_role.items())},
+        "at_peak": {k: v if k == "t_s" else round(v / GIB, 2) for k, v in sampler.at_peak.items()},
         "cpu_s_by_role": sampler.cpu_s_by_role(),
         "samples": sampler.samples, "job_args": job_args, "summary": summary,
     }, args.out)

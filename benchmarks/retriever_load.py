@@ -195,8 +195,11 @@ def bench(mode: str, index: Path, corpus: Path, questions: list[str], threads: l
         module, flags = "benchmarks.searchr1_reference", threads
     else:
         module = "retriever_server.server"
-        flags = ["--batching" if mode == "on" else "--no_batching", "--max_batch_size", str(args.max_batch_size),
-                 "--max_wait_ms", str(args.max_wait_ms), "--max_batch_chars", str(args.max_batch_chars), *threads]
+        limits = [(flag, value) for flag, value in (("--max_batch_size", args.max_batch_size),
+                                                     ("--max_batch_chars", args.max_batch_chars),
+                                                     ("--search_threads", args.search_threads)) if value is not None]
+        flags = ["--batching" if mode == "on" else "--no_batching", "--max_wait_ms", str(args.max_wait_ms),
+                 *[item for pair in limits for item in (pair[0], str(pair[1]))], *threads]
     with RetrieverProcess(index_path=str(index), corpus_path=str(corpus), retriever_model=args.retriever_model,
                           port=port, log_file=str(index.parent / f"server-{mode}.log"), extra_args=tuple(flags),
                           module=module) as server:
@@ -218,9 +221,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--idle_s", type=float, default=3.0, help="seconds of server CPU sampled idle after the load")
     parser.add_argument("--queries_per_request", type=int, default=1, help="queries in each request")
     parser.add_argument("--topk", type=int, default=3, help="documents per query")
-    parser.add_argument("--max_batch_size", type=int, default=256, help="server's --max_batch_size")
+    parser.add_argument("--max_batch_size", type=int, default=None,
+                        help="server's --max_batch_size (default: the server's, which depends on its encoder device)")
     parser.add_argument("--max_wait_ms", type=float, default=2.0, help="server's --max_wait_ms")
-    parser.add_argument("--max_batch_chars", type=int, default=4096, help="server's --max_batch_chars")
+    parser.add_argument("--search_threads", type=int, default=None, help="server's --search_threads")
+    parser.add_argument("--max_batch_chars", type=int, default=None,
+                        help="server's --max_batch_chars (default: the server's, which depends on its encoder device)")
     parser.add_argument("--cpu_threads", type=int, default=None,
                         help="--cpu_threads of the index builder and servers (default: all cores)")
     parser.add_argument("--modes", default="on,off,reference",

@@ -11,7 +11,8 @@ Stages (median ms over ``--repeats`` requests of different questions):
 - ``format`` and ``json``: ``server.format_result`` and rendering the JSON response body;
 - ``http+queue``: what the end-to-end latency at the client adds to the stages (HTTP, the event loop, the
   batcher's queue and its wait for other requests, the thread hand-off, and any further batch when the request is
-  over ``--max_batch_chars``; the batches per request are printed).
+  over ``--max_batch_chars``; the batches per request are printed). The server's own ``/metrics`` split it: its
+  request latency (body read to response built) and the search thread's time per batch, as the server ran them.
 
 The server sets ``OMP_WAIT_POLICY=PASSIVE`` for itself; run this with the same variable to time the stages as it
 runs them.
@@ -120,8 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--topk", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--cpu_threads", type=int, default=None, help="torch/faiss threads, here and in the server")
-    parser.add_argument("--max_batch_chars", type=int, default=BatcherConfig.max_batch_chars,
-                        help="the server's --max_batch_chars (a request over it is searched in several batches)")
+    parser.add_argument("--max_batch_chars", type=int, default=None,
+                        help="the server's --max_batch_chars (a request over it is searched in several batches; "
+                             "default: the server's for its encoder device)")
     parser.add_argument("--port", type=int, default=8791)
     parser.add_argument("--label", default="", help="what this run measures (written into the row)")
     parser.add_argument("--out", default=None)
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
 
     with RetrieverProcess(index_path=str(index), corpus_path=str(corpus), retriever_model=args.retriever_model,
                           port=args.port, log_file=str(index.parent / "server-profile.log"),
-                          extra_args=("--max_batch_chars", str(args.max_batch_chars), *threads)):
+                          extra_args=(*(() if args.max_batch_chars is None else
+                                        ("--max_batch_chars", str(args.max_batch_chars))), *threads)):
         latencies = asyncio.run(end_to_end(args.port, bodies))
         served = parse_prometheus(httpx.get(f"http://127.0.0.1:{args.port}/metrics").text)
     batches_per_request = served["batches_total"] / served["requests_total"]
@@ -158,11 +161,16 @@ def main(argv: list[str] | None = None) -> None:
     for stage in [*order, "http+queue"]:
         print(f"{stage:>11} {medians[stage]:8.2f} ms {medians[stage] / e2e:6.1%}")
     print(f"{'end to end':>11} {e2e:8.2f} ms (p50 at one sequential client; {batches_per_request:.2f} batches "
-          f"per request, max_batch_chars {args.max_batch_chars})")
+          f"per request, max_batch_chars {args.max_batch_chars or 'by device'})")
+    server = {"server_request_p50_ms": served['latency_seconds_recent{quantile="0.5"}'] * 1e3,
+              "server_batch_p50_ms": served['batch_seconds_recent{quantile="0.5"}'] * 1e3}
+    print(f"in the server: request {server['server_request_p50_ms']:.2f} ms (body read to response built), search "
+          f"thread {server['server_batch_p50_ms']:.2f} ms per batch (p50s)")
     report({"label": args.label, "queries_per_request": n, "topk": args.topk, "passages": passages,
             "cpus": os.cpu_count(), "cpu_threads": args.cpu_threads, "end_to_end_p50_ms": round(e2e, 2),
             "max_batch_chars": args.max_batch_chars, "batches_per_request": round(batches_per_request, 2),
-            **{f"{stage}_ms": round(medians[stage], 2) for stage in [*order, "http+queue"]}}, args.out)
+            **{f"{stage}_ms": round(medians[stage], 2) for stage in [*order, "http+queue"]},
+            **{key: round(value, 2) for key, value in server.items()}}, args.out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ weights after a push, and how long does the push take?
    (bf16 autocast over the recipe's fp32 weights, as in training): the gap before any update.
 3. One AdamW step (lr ``--lr``) raising the logprob of the completions, then a push: ``nccl`` (TRL's
    ``VLLMClient`` over NCCL: the trainer on another GPU than the server) or ``reload`` (safetensors to a tmpfs
-   folder the server reloads: works with both on one GPU).
+   folder the server reloads: works with both on one GPU; ``--push_dtype bfloat16`` writes the weights rounded to
+   bf16, as the recipe's ``weight_sync_dtype: bfloat16`` does).
 4. Both logprobs again: the gap after the push must stay within ``--tolerance`` (mean absolute, nats; bf16 kernels
    differ between vLLM and transformers), and the server's per-token change must follow the trainer's (correlation,
    same sign). Then ``--pushes`` timed pushes of the unchanged weights.
@@ -77,6 +78,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--tolerance", type=float, default=0.05, help="mean |server - trainer| logprob, nats")
     parser.add_argument("--pushes", type=int, default=3)
+    parser.add_argument("--push_dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="dtype of the weights a reload push writes (nccl pushes the model's own)")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -113,7 +116,9 @@ def main() -> None:
             folder = Path(args.sync_dir)
             folder.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=folder.parent))
-            model.save_pretrained(tmp, safe_serialization=True)
+            dtype = getattr(torch, args.push_dtype)
+            model.save_pretrained(tmp, safe_serialization=True,
+                                  state_dict={name: t.to(dtype) for name, t in model.state_dict().items()})
             for old in folder.iterdir():
                 old.unlink()
             for new in tmp.iterdir():
@@ -149,8 +154,10 @@ def main() -> None:
     moved = trainer_delta.abs() > 2 * args.tolerance
     row = {
         "benchmark": "weight_sync", "sync": args.sync, "model": Path(args.model).name,
+        "push_dtype": args.push_dtype if args.sync == "reload" else str(next(model.parameters()).dtype),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "bytes_pushed": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "bytes_pushed": sum(p.numel() * (2 if args.sync == "reload" and args.push_dtype == "bfloat16"
+                                         else p.element_size()) for p in model.parameters()),
         "tokens_compared": len(trainer_before), "tolerance_nats": args.tolerance,
         "gap_before_mean": round(gap_before.mean().item(), 4), "gap_before_max": round(gap_before.max().item(), 4),
         "gap_after_mean": round(gap_after.mean().item(), 4), "gap_after_max": round(gap_after.max().item(), 4),

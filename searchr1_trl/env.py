@@ -193,7 +193,12 @@ class RetrievalClient:
         self._counts: Counter[str] = Counter()
 
     async def search(self, query: str) -> str:
-        """The top ``topk`` passages for ``query``, formatted for the model; "" if retrieval failed."""
+        """The top ``topk`` passages for ``query``, formatted for the model; "" if retrieval failed.
+
+        TypeError for a query that is not a str (a tool loop passing the model's arguments through unchecked): it
+        would otherwise fail the whole batch it joins."""
+        if not isinstance(query, str):
+            raise TypeError(f"search query must be a str, got {type(query).__name__}: {query!r:.200}")
         loop = asyncio.get_running_loop()
         if not self._pending:
             # Flush on the next loop iteration, after every search issued in this one has joined the batch.
@@ -212,8 +217,8 @@ class RetrievalClient:
 
     async def _answer(self, batch: list[tuple[str, asyncio.Future[str]]]) -> None:
         """Retrieve for a batch and resolve each search's future; identical queries are retrieved once."""
-        queries = list(dict.fromkeys(query for query, _ in batch))
         try:
+            queries = list(dict.fromkeys(query for query, _ in batch))
             results = await self._retrieve(queries)
         except Exception as error:  # a bug, not a retrieval failure: surface it in the rollouts instead of hanging them
             for _, future in batch:

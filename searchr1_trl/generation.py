@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import importlib.util
 import json
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
@@ -32,6 +33,15 @@ from urllib.parse import urlsplit
 import aiohttp
 
 FINISH_REASONS = ("stop", "length")
+
+
+def resolve_generator(name: str) -> str:
+    """``vllm`` or ``transformers``; ``auto`` picks vllm where it is installed (a GPU machine with the GPU profile)."""
+    if name == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+    if name not in ("vllm", "transformers"):
+        raise ValueError(f"generator={name!r}; expected 'vllm', 'transformers' or 'auto'")
+    return name
 
 
 def end_token_ids(tokenizer, generation_config=None) -> list[int]:

@@ -8,12 +8,18 @@ published numbers below, so recipes validate offline.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
 import os
+import time
 from pathlib import Path
 
 import httpx
 
 from searchr1_trl.shapes import PUBLISHED_CONFIGS
+
+logger = logging.getLogger(__name__)
 
 
 class PlanError(ValueError):
@@ -36,11 +42,18 @@ def kv_heads(model_name_or_path: str) -> int:
                         f"(scripts/download_hf_assets.py) or check the name") from None
 
 
-def _server_answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=3.0).status_code < 500
-    except httpx.HTTPError:
-        return False
+def _server_answers(url: str, wait_s: float = 0.0) -> bool:
+    """Whether ``url`` answers without a server error, asked every second for up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    for attempt in itertools.count():
+        with contextlib.suppress(httpx.HTTPError):  # not up yet: that is what is being asked
+            if httpx.get(url, timeout=3.0).status_code < 500:
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        if attempt == 0:
+            logger.warning("%s does not answer yet; waiting up to %.0fs", url, wait_s)
+        time.sleep(1.0)
 
 
 def _true(value) -> bool:
@@ -104,6 +117,7 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
     if not _server_answers(f"{search_base}/health"):
         raise PlanError(f"retrieval server not reachable at {search_base}/health: start `searchr1-retriever` "
                         "or fix search_url")
-    if args.generator == "vllm" and not _server_answers(f"{args.generator_url}/health"):
-        raise PlanError(f"vLLM server not reachable at {args.generator_url}/health: start `trl vllm-serve` "
-                        "or fix vllm_server_base_url")
+    # Waits, as TRL's own client does: the server may be starting up beside the trainer (scripts/offline_job.py).
+    if args.generator == "vllm" and not _server_answers(f"{args.generator_url}/health", args.vllm_server_timeout):
+        raise PlanError(f"vLLM server not reachable at {args.generator_url}/health within vllm_server_timeout="
+                        f"{args.vllm_server_timeout:.0f}s: start `trl vllm-serve` or fix vllm_server_base_url")

@@ -122,14 +122,33 @@ def describe_exit(name: str, returncode: int, peak_rss_gib: float, oom_kills_bef
     return f"{name} was killed by SIGKILL: most likely {cause}; {memory}. `dmesg | grep -i oom` shows the kernel's view"
 
 
-def run_reporting(name: str, command: list[str], **kwargs) -> None:
+def run_reporting(name: str, command: list[str], needs: dict[str, tuple[subprocess.Popen, str]] | None = None,
+                  **kwargs) -> None:
     """``subprocess.run(command, check=True)`` whose failure says what killed the child and how much memory it
-    needed (:func:`describe_exit`), instead of "died with <Signals.SIGKILL: 9>"."""
+    needed (:func:`describe_exit`), instead of "died with <Signals.SIGKILL: 9>".
+
+    ``needs``: the servers the child works through, ``{name: (process, where its log is)}``. If one exits while the
+    child runs, the child is stopped at once and the error names that server and its log: the trainer would otherwise
+    wait out its own timeout (600 s for a vLLM server that died while starting) and report only that it waited."""
     oom_kills_before = _oom_kills()
     with subprocess.Popen(command, **kwargs) as child:
         peak = _PeakMemory(child.pid)
-        child.wait()
-        peak.stop()
+        try:
+            while child.poll() is None:
+                for server, (process, log) in (needs or {}).items():
+                    if process.poll() is not None:
+                        raise RuntimeError(f"{server} exited with status {process.returncode} while {name} ran "
+                                           f"(log: {log}); {name} was stopped")
+                time.sleep(0.5)
+        finally:
+            if child.poll() is None:
+                child.terminate()
+                try:
+                    child.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+            peak.stop()
     if child.returncode:
         raise RuntimeError(describe_exit(name, child.returncode, peak.gib, oom_kills_before))
 

@@ -22,7 +22,7 @@ turns them into paths on this machine when the recipe is loaded.
 
 from __future__ import annotations
 
-import importlib.util
+import logging
 import sys
 import typing
 from collections.abc import Callable
@@ -43,10 +43,13 @@ from searchr1_trl.generation import (
     VLLMServerGenerator,
     VLLMServerGeneratorConfig,
     end_token_ids,
+    resolve_generator,
 )
 from searchr1_trl.rollout import RolloutConfig
 from searchr1_trl.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
 from searchr1_trl.warm_start import WarmStartConfig
+
+logger = logging.getLogger(__name__)
 
 
 def _recipes_dir() -> Path:
@@ -115,6 +118,20 @@ class SearchR1Config(GRPOConfig):
     save_steps: float = field(default=50, metadata={"help": "Checkpoint every this many optimizer steps."})
     save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept on disk."})
     logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
+
+    # --- policy-update throughput (searchr1_trl/update.py); TRL's own: use_liger_kernel, optim, bf16 ---
+    fp32_master_weights: bool = field(
+        default=False,
+        metadata={"help": "With a model loaded in bfloat16 (dtype: bfloat16): the optimizer keeps fp32 copies of the "
+                          "weights in its state and steps those, so small updates are not lost to bf16 rounding, "
+                          "while forward and backward run on bf16 weights. Not under DeepSpeed (it does this itself)."},
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Pack each micro-batch's rollouts without padding (position ids restart per rollout) for the "
+                          "log-prob forward/backward; needs an attention that reads packed position ids (sdpa, eager, "
+                          "flex_attention, flash_attention_2). Same loss, less padding compute."},
+    )
 
     # --- inherited GRPO fields the trainer owns ---
     use_vllm: bool | None = _owned("from generator and weight_sync")
@@ -198,6 +215,12 @@ class SearchR1Config(GRPOConfig):
         self.generator = resolve_generator(self.generator)
         if self.weight_sync not in ("reload", "nccl"):
             raise ValueError(f"weight_sync={self.weight_sync!r}; expected 'reload' or 'nccl'")
+        if self.weight_sync_dtype not in (None, "bfloat16", "float16", "float32"):
+            raise ValueError(f"weight_sync_dtype={self.weight_sync_dtype!r}; expected bfloat16, float16 or float32")
+        if self.weight_sync_dtype and (self.generator != "vllm" or self.weight_sync != "reload"):
+            logger.warning("weight_sync_dtype=%s applies to reload pushes to a vLLM server only; with generator=%s and "
+                           "weight_sync=%s the generator gets the weights as the trainer holds them",
+                           self.weight_sync_dtype, self.generator, self.weight_sync)
         for name, (needed, instead) in TRAINER_OWNED.items():
             value, wanted = getattr(self, name), needed(self)
             if value is not None and value != wanted:
@@ -216,15 +239,6 @@ class SearchR1Config(GRPOConfig):
     @property
     def generator_url(self) -> str:
         return self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}"
-
-
-def resolve_generator(name: str) -> str:
-    """``vllm`` or ``transformers``; ``auto`` picks vllm where it is installed (a GPU machine with the GPU profile)."""
-    if name == "auto":
-        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
-    if name not in ("vllm", "transformers"):
-        raise ValueError(f"generator={name!r}; expected 'vllm', 'transformers' or 'auto'")
-    return name
 
 
 # GRPOConfig field -> (the value SearchR1Trainer needs, what to set instead).

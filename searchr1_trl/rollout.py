@@ -258,15 +258,10 @@ class RolloutEngine:
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """Token ids of ``messages`` under the chat template, with the env's tools and the thinking switch."""
-        return list(
-            self.tokenizer.apply_chat_template(
-                messages, tools=self.env.tools or None, add_generation_prompt=add_generation_prompt, tokenize=True,
-                return_dict=False, chat_template=self._chat_template, enable_thinking=self.config.enable_thinking,
-            )
-        )
+        return self.tokenizer.encode(self._render_text(messages, add_generation_prompt), add_special_tokens=False)
 
     def _render_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """:meth:`render` before tokenization (``render`` tokenizes this text without adding special tokens)."""
+        """:meth:`render` before tokenization (the chat template's text; its special tokens are in it already)."""
         return self.tokenizer.apply_chat_template(
             messages, tools=self.env.tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
             chat_template=self._chat_template, enable_thinking=self.config.enable_thinking,

@@ -16,6 +16,9 @@ What this subclass decides, and nothing more:
   CUDA clusters) or by saving safetensors to a folder the vLLM server reloads in place (``weight_sync="reload"``,
   works without CUDA). The in-process generator (``generator="transformers"``) uses the live model, no sync.
 - **Validation** is greedy rollouts over a fixed held-out slice, logged as EM overall and per data source.
+- **Two throughput levers of the policy update** (:mod:`searchr1_trl.update`, both off by default):
+  ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer) and ``padding_free`` (rollouts packed without
+  padding for the log-prob forward); the loss, tool tokens masked, is TRL's either way.
 - **An optimizer step with NaN/inf gradients is skipped** (:class:`NonFiniteGradientGuard`), not applied.
 - **Connections are closed**: the event loop rollouts run on, the generator's and the retriever's pooled clients are
   opened by ``train()`` (or a standalone ``evaluate()``) and closed when it returns, also on an error.
@@ -30,6 +33,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -54,6 +58,7 @@ from searchr1_trl.env import SearchR1Env
 from searchr1_trl.generation import SamplingParams
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task
 from searchr1_trl.rollout import Rollout, RolloutEngine
+from searchr1_trl.update import packed_forward, with_fp32_master_weights
 from searchr1_trl.vllm_server import reload_weights
 
 logger = logging.getLogger(__name__)
@@ -156,6 +161,37 @@ class SearchR1Trainer(GRPOTrainer):
         self.engine = RolloutEngine(self.processing_class, self.task.generator(self.model, self.processing_class),
                                     self.env, self.task.rollout)
 
+    # ---- policy update -----------------------------------------------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self.args.fp32_master_weights:
+            with_fp32_master_weights(optimizer, deepspeed=self.is_deepspeed_enabled)
+        return optimizer
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        # Extends GRPOTrainer._get_per_token_logps_and_entropies (TRL 1.16): with padding_free, each chunk of rows is
+        # packed (searchr1_trl.update.packed_forward); the fused LM head and what it returns are TRL's.
+        if not self.args.padding_free:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        given = sorted(name for name, value in multimodal.items() if value is not None)
+        if given:
+            raise ValueError(f"padding_free=True packs text rollouts only; this batch has {', '.join(given)}")
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies, aux_losses = [], [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            outputs = packed_forward(
+                model, input_ids[start:start + batch_size], attention_mask[start:start + batch_size], logits_to_keep,
+                self.accelerator.autocast, **({"output_router_logits": True} if compute_aux_loss else {}))
+            logps.append(outputs.log_probs)
+            entropies.append(outputs.entropy)
+            aux_losses.append(outputs.aux_loss)
+        return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None,
+                torch.stack(aux_losses).mean() if compute_aux_loss else None)
+
     # ---- rollouts ----------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -248,26 +284,29 @@ class SearchR1Trainer(GRPOTrainer):
             self._last_loaded_step = self.state.global_step
 
     def push_weights_to_generator(self) -> None:
-        """Save the full (merged, gathered) policy as safetensors and have the server reload it in place."""
+        """Save the policy (gathered; with PEFT, the layers it trains, merged) as safetensors and have the server
+        reload them in place."""
         state_dict = self.accelerator.get_state_dict(self.model)
         if self.accelerator.is_main_process:
             folder = Path(self.args.weight_sync_dir or Path(self.args.output_dir) / "generator_weights")
             self.save_generator_weights(state_dict, folder)
             reload_weights(self.args.generator_url, folder)
-            # Loaded: the folder has done its job, and on tmpfs it is memory until deleted (2.5 GB on the CPU recipe).
+            # Loaded: the folder has done its job, and on tmpfs it is memory until deleted.
             shutil.rmtree(folder, ignore_errors=True)
         self.accelerator.wait_for_everyone()
 
     def save_generator_weights(self, state_dict: dict | None, folder: Path) -> None:
         """Write what the server loads into ``folder`` (replaced whole, never half-written): the policy's weights,
-        PEFT adapters merged in, in ``weight_sync_dtype`` when set."""
+        or with PEFT the decoder layers it trains, adapters merged in (:func:`_layers_with_trainable_parameters`), in
+        ``weight_sync_dtype`` when set."""
         dtype = getattr(torch, self.args.weight_sync_dtype) if self.args.weight_sync_dtype else None
         model = self.accelerator.unwrap_model(self.model)
         _check_sync_folder_is_ours(folder)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None))
         with contextlib.ExitStack() as stack:
-            if hasattr(model, "merge_and_unload"):  # PEFT: ship base weights with the adapter merged in
-                state_dict = stack.enter_context(_merged_peft_state_dict(model))
+            if hasattr(model, "merge_and_unload"):  # PEFT: ship the layers it trains, with the adapter merged in
+                state_dict = _layers_with_trainable_parameters(stack.enter_context(_merged_peft_state_dict(model)),
+                                                               model)
                 model = model.get_base_model()
             if dtype is not None:
                 state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
@@ -386,6 +425,33 @@ def _merged_peft_state_dict(model) -> Iterator[dict[str, torch.Tensor]]:
                for name, tensor in model.state_dict().items() if "lora_" not in name}
     finally:
         model.unmerge_adapter()
+
+
+_DECODER_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
+
+
+def _layers_with_trainable_parameters(state_dict: dict[str, torch.Tensor], peft_model) -> dict[str, torch.Tensor]:
+    """The entries of a merged PEFT ``state_dict`` that lie in a decoder layer holding a trainable parameter, whole
+    layers at a time; ``state_dict`` itself if a trainable parameter lies outside the decoder layers (an embedding,
+    the head) or none is trainable.
+
+    Every other weight is frozen, so a server that started from the base model (as the step-0 weights are never
+    pushed, it must) already holds it. Whole layers because vLLM fuses q/k/v and gate/up into one tensor each and
+    rebuilds a layer only once all of its parts arrived; a layer the folder leaves out keeps its weights (vLLM 0.28's
+    layerwise reload). The CPU recipe's LoRA on layers 16-23 ships 8 of 24 layers: 0.48 of 2.35 GB.
+
+    ``base_model.model.model.layers.16.mlp.up_proj.lora_A.default.weight`` trainable -> every ``model.layers.16.*``.
+    """
+    layers = set()
+    for name, parameter in peft_model.named_parameters():
+        if parameter.requires_grad:
+            layer = _DECODER_LAYER.match(name.removeprefix("base_model.model."))
+            if layer is None:
+                return state_dict
+            layers.add(f"{layer.group(1)}.")
+    if not layers:
+        return state_dict
+    return {name: tensor for name, tensor in state_dict.items() if name.startswith(tuple(layers))}
 
 
 def _write_atomically(path: Path, text: str) -> None:

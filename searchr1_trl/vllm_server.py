@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import logging
 import os
 import signal
@@ -49,10 +50,21 @@ class VLLMServerConfig:
     enforce_eager: bool = field(
         default=False, metadata={"help": "Skip graph compilation: starts faster on CPU, generates a bit slower."}
     )
-    cpu_kv_cache_gib: int = field(
-        default=1,
-        metadata={"help": "VLLM_CPU_KVCACHE_SPACE on CPU builds (GiB, at least 1). 1 GiB holds 43k tokens of the "
-                          "float32 0.5B (24 KiB per token), 5x what the CPU recipe's 8 concurrent rollouts can use."},
+    cpu_kv_cache_gib: float = field(
+        default=0.25,
+        metadata={"help": "KV cache size on CPU builds of vLLM, in GiB (passed as --kv-cache-memory-bytes; without "
+                          "it vLLM takes gpu_memory_utilization of the RAM). 0.25 GiB holds 10.9k tokens of the "
+                          "float32 0.5B (24 KiB per token), about 4x what the CPU recipe's 8 concurrent validation "
+                          "rollouts use (its training rollouts average 310 tokens); were all 8 to reach "
+                          "max_rollout_tokens (2,048), vLLM would preempt and recompute some: slower, same result."},
+    )
+    distributed_executor_backend: str | None = field(
+        default=None,
+        metadata={"help": "vLLM's executor. `uni` (the CPU default, for_this_machine) runs the model inside the "
+                          "engine-core process: one process fewer than `mp` (0.42 GiB) and all cores for the model, "
+                          "where `mp` binds its worker to one core and keeps one for the rest (8 concurrent requests "
+                          "on 2 idle cores: 7.7-8.1 s vs 12.5-13.3 s; slower when other work takes a core). "
+                          "benchmarks/vllm_cpu_memory.py."},
     )
     startup_timeout_s: float = field(default=600.0, metadata={"help": "How long to wait for /health."})
     log_file: str | None = field(default=None, metadata={"help": "Where the server's output goes (default: inherit)."})
@@ -66,11 +78,10 @@ class VLLMServerConfig:
 
     @classmethod
     def for_this_machine(cls, model: str, **overrides) -> VLLMServerConfig:
-        """A config for a server on this machine: on a machine without CUDA, eager mode (graph compilation costs
-        minutes of start-up for little gain) and float32 (see ``dtype``)."""
-        import torch
-
-        cpu = {} if torch.cuda.is_available() else {"enforce_eager": True, "dtype": "float32"}
+        """A config for a server on this machine: with a CPU build of vLLM, eager mode (graph compilation costs
+        minutes of start-up for little gain), float32 (see ``dtype``) and the model in the engine process (see
+        ``distributed_executor_backend``)."""
+        cpu = {"enforce_eager": True, "dtype": "float32", "distributed_executor_backend": "uni"} if _cpu_build() else {}
         return cls(model=model, **{**cpu, **overrides})
 
     def command(self) -> list[str]:
@@ -82,6 +93,10 @@ class VLLMServerConfig:
             "--tensor_parallel_size", str(self.tensor_parallel_size),
             "--dtype", self.dtype,
             *(["--enforce_eager", "true"] if self.enforce_eager else []),
+            *(["--distributed_executor_backend", self.distributed_executor_backend]
+              if self.distributed_executor_backend else []),
+            # vLLM's own flag, which trl vllm-serve passes on
+            *(["--kv-cache-memory-bytes", str(int(self.cpu_kv_cache_gib * 2**30))] if _cpu_build() else []),
         ]
 
 
@@ -92,17 +107,26 @@ class VLLMServer:
         self.config = config
         self.process: subprocess.Popen | None = None
         self._log = None
+        self._launched = 0.0
 
     @property
     def base_url(self) -> str:
         return self.config.base_url
 
     def start(self) -> VLLMServer:
+        """Launch the server and wait until it answers ``/health``."""
+        return self.launch().wait_until_healthy()
+
+    def launch(self) -> VLLMServer:
+        """Launch the server without waiting for it (:meth:`wait_until_healthy`, or a client that waits itself, as
+        ``searchr1-train`` does for ``vllm_server_timeout``), so that what needs it can start up meanwhile."""
         if self.healthy():  # else the new server fails to bind while /health answers from the old one
             raise RuntimeError(f"{self.base_url} already answers /health: another server holds port "
                                f"{self.config.port}; stop it or choose another port")
         env = {**os.environ, **self.config.env}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gib))
+        if self.config.distributed_executor_backend == "uni":
+            # else vLLM's CPU platform turns uni into mp; the server keeps its engine in a process of its own anyway
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setdefault("HF_HUB_OFFLINE", "1" if Path(self.config.model).exists() else env.get("HF_HUB_OFFLINE", "0"))
         # Open for the server's lifetime, closed by stop().
         self._log = open(self.config.log_file, "ab") if self.config.log_file else None  # noqa: SIM115
@@ -112,7 +136,13 @@ class VLLMServer:
         self.process = owned_popen(
             self.config.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
         )
-        started = time.monotonic()
+        self._launched = time.monotonic()
+        return self
+
+    def wait_until_healthy(self) -> VLLMServer:
+        """Return once the launched server answers ``/health``; RuntimeError if it exits first, TimeoutError (and
+        the server stopped) after ``startup_timeout_s``."""
+        started = self._launched
         deadline = started + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -151,6 +181,14 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _cpu_build() -> bool:
+    """Whether the installed vLLM is a CPU build: its ``+cpu`` version is what selects vLLM's CPU platform."""
+    try:
+        return importlib.metadata.version("vllm").endswith("+cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def reload_weights(base_url: str, folder: str | os.PathLike, timeout_s: float = 300.0) -> None:

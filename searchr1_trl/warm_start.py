@@ -24,6 +24,7 @@ from searchr1_trl.data import SearchR1Dataset
 from searchr1_trl.generation import Generation, Generator, SamplingParams, end_token_ids
 from searchr1_trl.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.rubric import normalize_answer, retrieval_surfaced_gold
+from searchr1_trl.update import with_fp32_master_weights
 from searchr1_trl.vllm_server import reload_weights
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,8 @@ def warm_start(args, model_args, task) -> str:
     )
     trainer = SFTTrainer(model=model_args.model_name_or_path, args=sft_args, train_dataset=dataset,
                          processing_class=tokenizer, peft_config=get_peft_config(model_args))
+    if args.fp32_master_weights:  # bf16 weights: the warm start's steps need the masters too
+        with_fp32_master_weights(trainer.create_optimizer(), deepspeed=trainer.is_deepspeed_enabled)
     trainer.train()
     if hasattr(trainer.model, "merge_and_unload"):  # PEFT: GRPO starts from the merged weights (its own adapter)
         trainer.model = trainer.model.merge_and_unload()

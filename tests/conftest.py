@@ -11,6 +11,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _Healthy(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def serve_health(port: int | None = None) -> ThreadingHTTPServer:
+    """A stand-in server, running in a thread on ``port`` (a free one by default), that answers every GET with 200:
+    for checks that only ask whether some server is up. The caller shuts it down."""
+    server = ThreadingHTTPServer(("127.0.0.1", port or free_port()), _Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 # A generic tool for rollout and parsing tests that need no real search.

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Lower layers never import higher ones. Same-layer imports are allowed only where listed in SAME_LAYER.
 LAYERS = [
-    {"shapes", "assets", "generation", "parsing", "processes", "vllm_server"},  # leaves: no task, no loop
+    {"shapes", "assets", "generation", "parsing", "processes", "vllm_server", "update"},  # leaves: no task, no loop
     {"rollout"},  # the generic multi-turn loop
     {"data", "env", "rubric"},  # the Search-R1 task
     {"warm_start"},  # scripted traces of the task, fine-tuned on before GRPO
@@ -91,7 +91,9 @@ def test_the_front_door_exports_every_public_name_from_its_module():
 
 
 def test_importing_a_light_module_does_not_import_trl():
-    # The asset command and the parser stay quick to import: the front door imports lazily.
-    code = "import sys, searchr1_trl.assets, searchr1_trl.parsing; print('trl' in sys.modules)"
+    # The asset command and the parser stay quick to import: the front door imports lazily. The main job's launcher
+    # (scripts/offline_job.py) imports the generation and server modules too: with trl it held 0.45 GiB more.
+    code = ("import sys, searchr1_trl.assets, searchr1_trl.parsing, searchr1_trl.generation, "
+            "searchr1_trl.vllm_server, retriever_server.launch; print('trl' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"

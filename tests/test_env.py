@@ -272,6 +272,22 @@ def test_concurrent_rollouts_share_one_request_and_identical_queries_are_sent_on
     assert env.metrics()["search/searches"] == 3
 
 
+def test_a_query_that_is_not_text_fails_alone_not_the_batch_it_would_join(fake_retriever):
+    # TRL's tool loop hands the model's arguments to a search function unchecked; a dict query once failed the whole
+    # batched request with it, and every rollout in that batch waited forever.
+    client = RetrievalClient(SearchR1EnvConfig(search_url=fake_retriever.url))
+
+    async def two_searches():
+        return await asyncio.gather(client.search("Louvre"), client.search({"query": "Louvre"}),
+                                    return_exceptions=True)
+
+    answered, rejected = asyncio.run(asyncio.wait_for(two_searches(), timeout=30))
+
+    assert answered == fake_passages("Louvre")
+    assert isinstance(rejected, TypeError) and "must be a str, got dict" in str(rejected)
+    assert fake_retriever.requests == [{"queries": ["Louvre"], "topk": 3, "return_scores": False}]
+
+
 def test_searches_of_different_instants_are_separate_requests(fake_retriever):
     env = env_for(fake_retriever.url)
 

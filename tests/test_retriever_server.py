@@ -204,6 +204,9 @@ def test_with_batching_off_each_request_is_its_own_batch(unbatched_base_url):
     stats = metrics(unbatched_base_url)
     assert stats["batches_total"] == stats["requests_total"] == 4
     assert stats['batch_requests_recent{stat="max"}'] == 1
+    # Each batch's search time is measured in the search thread: never more than its request's whole latency.
+    assert stats["batch_seconds_recent_count"] == 4
+    assert 0 < stats['batch_seconds_recent{quantile="0.5"}'] <= stats['latency_seconds_recent{quantile="0.99"}']
 
 
 def test_a_full_queue_answers_503_and_recovers(unbatched_base_url):

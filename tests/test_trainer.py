@@ -159,6 +159,45 @@ def test_weight_sync_dtype_writes_the_policy_rounded_to_that_dtype(tiny_model_di
     assert any(not torch.equal(t.float(), policy[n].detach()) for n, t in written.items())
 
 
+def lora_trainer(tiny_model_dir, questions_file, tmp_path, target_modules) -> SearchR1Trainer:
+    """A trainer on the tiny 2-layer model with LoRA on ``target_modules``, its adapters moved off zero (a fresh
+    LoRA B is zero: merged, it would change nothing)."""
+    from peft import LoraConfig
+
+    args = small_config(tmp_path, questions_file, "http://127.0.0.1:9/retrieve", generator="transformers")
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args,
+                              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=target_modules))
+    with torch.no_grad():
+        for name, parameter in trainer.model.named_parameters():
+            if "lora_B" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    return trainer
+
+
+def test_a_lora_push_writes_the_trained_layers_whole_with_the_adapters_merged_in(tiny_model_dir, questions_file,
+                                                                                 tmp_path):
+    """LoRA on layer 1's projections: the folder holds every tensor of layer 1 (norms too: vLLM rebuilds a layer from
+    all its parts) and nothing else, equal to merge_and_unload's; the server already has the frozen rest."""
+    trainer = lora_trainer(tiny_model_dir, questions_file, tmp_path, r".*\.layers\.1\..*_proj")
+    folder = tmp_path / "generator_weights"
+    trainer.save_generator_weights(None, folder)
+    written = load_file(folder / "model.safetensors")
+    merged = trainer.model.merge_and_unload().state_dict()
+    assert written.keys() == {name for name in merged if name.startswith("model.layers.1.")}
+    assert "model.layers.1.input_layernorm.weight" in written and "model.layers.1.self_attn.q_proj.weight" in written
+    for name, tensor in written.items():
+        assert torch.equal(tensor, merged[name])
+
+
+def test_a_lora_push_writes_every_weight_when_the_adapter_trains_outside_the_decoder_layers(
+        tiny_model_dir, questions_file, tmp_path):
+    trainer = lora_trainer(tiny_model_dir, questions_file, tmp_path, ["q_proj", "embed_tokens"])
+    folder = tmp_path / "generator_weights"
+    trainer.save_generator_weights(None, folder)
+    written = load_file(folder / "model.safetensors")
+    assert "model.embed_tokens.weight" in written and "model.layers.0.mlp.up_proj.weight" in written
+
+
 @pytest.mark.slow
 def test_the_lora_cpu_recipe_pushes_merged_weights_that_the_server_then_samples_from(
         offline_assets, vllm_server, retriever_url, questions_file, tmp_path, tokenizer):

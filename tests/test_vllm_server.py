@@ -25,25 +25,12 @@ def test_server_generates_from_token_ids_with_logprobs(vllm_server, tokenizer, o
 
 def test_starting_a_server_on_a_port_another_server_answers_on_fails_before_launching():
     """Seen on an H200: the new vLLM could not bind, the old one answered /health, the job trained against it."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     import pytest
-    from conftest import free_port
+    from conftest import serve_health
 
     from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
-    class Healthy(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    other = ThreadingHTTPServer(("127.0.0.1", free_port()), Healthy)
-    threading.Thread(target=other.serve_forever, daemon=True).start()
+    other = serve_health()
     server = VLLMServer(VLLMServerConfig(model="unused", port=other.server_port))
     with pytest.raises(RuntimeError, match=f"another server holds port {other.server_port}"):
         server.start()

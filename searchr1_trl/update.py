@@ -1,0 +1,144 @@
+"""Two levers on the policy update's throughput that keep its numbers: fp32 master weights for bf16 models, and
+padding-free packing of rollouts. Both are off by default; ``SearchR1Config`` switches them on.
+
+- **fp32 master weights** (``fp32_master_weights``, with the model loaded in bfloat16): the optimizer keeps an fp32
+  copy of every bf16 weight in its state, steps that copy with the gradients cast to fp32, and writes it back rounded
+  to bf16. The forward/backward then run on bf16 weights (no autocast re-cast of every weight at every micro-step, half
+  the gradient bytes) while lr 1e-6 updates still accumulate in fp32 (they vanish in bf16 weights). Memory per
+  parameter: bf16 weight + bf16 grad + fp32 master + AdamW's two fp32 moments = 16 bytes, as with fp32 weights, plus
+  an fp32 copy of the gradients during ``step()``. The masters live in the optimizer's state, so a checkpoint resumes
+  them exactly. The supervised warm start (``warm_start_traces``) steps through the same masters.
+- **padding-free packing** (``padding_free``): a micro-batch's rows, stripped of their padding, are packed first-fit
+  (longest first) into as few rows of the padded length as hold them, position ids restarting at 0 for every rollout;
+  transformers reads the restarts as sequence boundaries and masks attention across them (sdpa, eager,
+  flex_attention). The log-probs land back where the padded batch has them, so the loss (tool tokens masked) is
+  unchanged. It saves the padding's compute; a batch without padding packs to itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Fp32MasterWeights:
+    """Mixin over a torch optimizer class: bf16 parameters are stepped through fp32 copies kept in the state.
+
+    Used by :func:`with_fp32_master_weights`; parameters that already are fp32 are stepped as usual.
+    """
+
+    def step(self, closure=None):
+        swapped = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.dtype == torch.float32:
+                    continue
+                state = self.state[p]
+                master = state["master"] if "master" in state else p.detach().float()
+                swapped.append((p, p.data, p.grad, master))
+                p.data, p.grad = master, p.grad.float()
+        try:
+            # The master is put in the state after the first step: AdamW initialises a parameter's state when empty.
+            loss = super().step(closure)
+        finally:
+            for p, low, grad, master in swapped:
+                low.copy_(p.data)
+                p.data, p.grad = low, grad
+                self.state[p]["master"] = master
+        return loss
+
+    def load_state_dict(self, state_dict):
+        # torch casts loaded floating state to each parameter's dtype: seen as bf16 they would lose the fp32 masters.
+        params = [p for group in self.param_groups for p in group["params"] if p.dtype != torch.float32]
+        low = [p.data for p in params]
+        for p in params:
+            p.data = p.data.float()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            for p, data in zip(params, low, strict=True):
+                p.data = data
+
+
+def with_fp32_master_weights(optimizer: torch.optim.Optimizer, deepspeed: bool = False) -> torch.optim.Optimizer:
+    """``optimizer`` itself, its class extended by :class:`Fp32MasterWeights` (same param groups, schedule, fused or
+    not); ValueError under DeepSpeed or when no parameter is below fp32, where masters would change nothing."""
+    if deepspeed:
+        raise ValueError("fp32_master_weights=True under DeepSpeed: its bf16 mode keeps fp32 master weights itself; "
+                         "remove fp32_master_weights from the recipe")
+    if {p.dtype for group in optimizer.param_groups for p in group["params"]} == {torch.float32}:
+        raise ValueError("fp32_master_weights=True but the model's weights are float32 already; load them in "
+                         "bfloat16 (dtype: bfloat16) or drop fp32_master_weights")
+    cls = type(optimizer)
+    optimizer.__class__ = type(f"Fp32Master{cls.__name__}", (Fp32MasterWeights, cls), {})
+    return optimizer
+
+
+def pack_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each real token of a padded batch goes in a packed one of the same row length.
+
+    Returns ``(source, target, position_ids, rows)``: flat indices of the real tokens in the padded ``(B, L)`` batch
+    and in the packed ``(rows, L)`` one, the packed batch's position ids (restarting at 0 per sequence; a row's padded
+    tail continues its last sequence, which it follows, so no real token attends to it) and the row count.
+
+    >>> pack_rows(torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 1]]))[2]
+    tensor([[0, 1, 2, 0],
+            [0, 1, 2, 3]])
+    """
+    batch, length = attention_mask.shape
+    lengths = attention_mask.sum(-1).tolist()
+    bins: list[list[int]] = []
+    fill: list[int] = []
+    for i in sorted(range(batch), key=lambda i: -lengths[i]):
+        row = next((r for r, used in enumerate(fill) if used + lengths[i] <= length), None)
+        if row is None:
+            bins.append([])
+            fill.append(0)
+            row = len(bins) - 1
+        bins[row].append(i)
+        fill[row] += lengths[i]
+    real = attention_mask.bool()
+    sources, targets = [], []
+    position_ids = torch.zeros(len(bins), length, dtype=torch.long)
+    for row, members in enumerate(bins):
+        offset = 0
+        for i in members:
+            sources.append(real[i].nonzero().squeeze(-1) + i * length)
+            targets.append(torch.arange(offset, offset + lengths[i]) + row * length)
+            position_ids[row, offset:offset + lengths[i]] = torch.arange(lengths[i])
+            offset += lengths[i]
+        if offset and offset < length:
+            last = position_ids[row, offset - 1]
+            position_ids[row, offset:] = torch.arange(last + 1, last + 1 + length - offset)
+    device = attention_mask.device
+    return (torch.cat(sources).to(device), torch.cat(targets).to(device), position_ids.to(device),
+            torch.tensor(len(bins)))
+
+
+def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                   autocast, **model_kwargs):
+    """TRL's fused-LM-head forward (log-probs and entropies of the last ``logits_to_keep`` columns) run on the packed
+    rows of ``input_ids``; returns the model's output with ``log_probs``/``entropy`` laid out as the padded batch's."""
+    source, target, position_ids, rows = pack_rows(attention_mask)
+    batch, length = input_ids.shape
+    scored = torch.zeros_like(attention_mask, dtype=torch.bool)
+    scored[:, -logits_to_keep:] = True
+    scored &= attention_mask.bool()
+    packed = input_ids.new_zeros(int(rows) * length)
+    packed[target] = input_ids.reshape(-1)[source]
+    labels = torch.full_like(packed, -100)
+    labels[target] = torch.where(scored.reshape(-1)[source], input_ids.reshape(-1)[source], -100)
+    labels = labels.view(-1, length)
+    labels[position_ids == 0] = -100  # a sequence's first token has nothing before it (it is a prompt token anyway)
+    with autocast():
+        outputs = model(input_ids=packed.view(-1, length), position_ids=position_ids, labels=labels,
+                        fused_lm_head=True, **model_kwargs)
+
+    def unpack(per_token):  # (rows, L - 1), token t+1 scored at t -> (B, logits_to_keep)
+        if per_token is None:
+            return None
+        flat = torch.cat([per_token.new_zeros(per_token.size(0), 1), per_token], dim=1).reshape(-1)
+        padded = per_token.new_zeros(batch * length).index_put((source,), flat[target])
+        return padded.view(batch, length)[:, -logits_to_keep:]
+
+    outputs.log_probs, outputs.entropy = unpack(outputs.log_probs), unpack(outputs.entropy)
+    return outputs
