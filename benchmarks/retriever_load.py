@@ -6,8 +6,8 @@ clients, spread over ``--processes`` load-generator processes, each client posti
 ``--duration_s`` seconds (after ``--warmup_s`` unmeasured seconds); Search-R1-style trainers instead send one request
 of ``--queries_per_request`` 64 per turn. Each server in ``--modes`` runs on loopback in turn, over the offline
 SQuAD-open corpus, or its first ``--max_passages`` passages: embedding all 30,991 takes ~12 minutes on 2 CPU cores.
-The corpus prefix and its index are cached under ``~/.cache/searchr1_trl/index/squad_open-<passages>/``. Queries are
-SQuAD dev questions, cycled.
+The corpus prefix and its index are cached under ``~/.cache/searchr1_trl/index/squad_open-<passages>-<encoder>/``.
+Queries are SQuAD dev questions, cycled.
 
     python -m benchmarks.retriever_load --clients 64 --duration_s 20 --max_passages 4096
     python -m benchmarks.retriever_load --clients 8 --queries_per_request 64 --modes on,reference
@@ -70,10 +70,10 @@ def add_index_arguments(parser: argparse.ArgumentParser, assets) -> None:
 
 def prepare_index(corpus_path: str, retriever_model: str, max_passages: int | None, build_flags: list[str]
                   ) -> tuple[Path, Path]:
-    """(index, corpus) for the first ``max_passages`` passages, built once and cached."""
+    """(index, corpus) for the first ``max_passages`` passages, built once per encoder and cached."""
     with open(corpus_path, "rb") as f:
         lines = list(itertools.islice(f, max_passages))
-    folder = cache_dir() / "index" / f"squad_open-{len(lines)}"
+    folder = cache_dir() / "index" / f"squad_open-{len(lines)}-{Path(retriever_model.rstrip('/')).name}"
     folder.mkdir(parents=True, exist_ok=True)
     corpus, index = folder / "corpus.jsonl", folder / "index.faiss"
     if not corpus.exists():

@@ -4,11 +4,14 @@ in this process, then the same requests end to end through a real server on loop
 
 Stages (median ms over ``--repeats`` requests of different questions):
 - ``parse``: body bytes -> validated request (``server.parse_request``, JSON included);
-- ``tokenize``: the encoder's tokenizer call; ``encoder``: the model's forward; ``pooling``: the rest of
-  ``encode_queries`` (pooling, normalising, the copy to numpy);
+- ``tokenize``: the encoder's tokenization (``Encoder._tokenize``); ``encoder``: the model's forward; ``pooling``:
+  the rest of ``encode_queries`` (pooling, normalising, the copy to numpy);
 - ``search``: the index's search; ``lookup``: the corpus ``take`` of the returned rows; ``hits``: the rest of
   ``Retriever.search`` (splitting documents and scores per query);
 - ``format`` and ``json``: ``server.format_result`` and rendering the JSON response body;
+- ``<stage>_thread`` (tokenize, encoder, pooling, search, lookup, json): the CPU time of the thread that called
+  it, which holds the GIL but in native code that releases it (the Rust tokenizer's and torch's own threads are not
+  counted): what the server's other threads may wait for;
 - ``http+queue``: what the end-to-end latency at the client adds to the stages (HTTP, the event loop, the
   batcher's queue and its wait for other requests, the thread hand-off, and any further batch when the request is
   over ``--max_batch_chars``; the batches per request are printed). The server's own ``/metrics`` split it: its
@@ -41,23 +44,25 @@ from retriever_server.index import SearchConfig
 from retriever_server.launch import RetrieverProcess
 from retriever_server.metrics import parse_prometheus
 from retriever_server.retriever import Retriever, set_cpu_threads
-from retriever_server.server import ServerConfig, create_app, format_result, parse_request
+from retriever_server.server import ServerConfig, create_app, format_result, json_response, parse_request
 from searchr1_trl.assets import require
 
 
 class Timed:
-    """Wraps a callable (or an object's ``__call__``) and adds each call's seconds to ``times[name]``; other
-    attributes pass through, so a wrapped tokenizer or model still looks like itself to the encoder."""
+    """Wraps a callable (or an object's ``__call__``) and adds each call's seconds to ``times[name]`` and the calling
+    thread's CPU seconds to ``times[name + "_thread"]``; other attributes pass through, so a wrapped model still looks
+    like itself to the encoder."""
 
     def __init__(self, target, name: str, times: dict[str, float]):
         self._target, self._name, self._times = target, name, times
 
     def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return self._target(*args, **kwargs)
         finally:
             self._times[self._name] += time.perf_counter() - start
+            self._times[f"{self._name}_thread"] += time.thread_time() - cpu
 
     def __getattr__(self, attribute):
         return getattr(self._target, attribute)
@@ -65,11 +70,9 @@ class Timed:
 
 def profile_in_process(retriever: Retriever, bodies: list[bytes], config: ServerConfig) -> dict[str, list[float]]:
     """Seconds per stage for each body, on the server's own functions."""
-    from fastapi.responses import JSONResponse
-
     times: dict[str, float] = defaultdict(float)
     encoder = retriever.encoder
-    encoder.tokenizer = Timed(encoder.tokenizer, "tokenize", times)
+    encoder._tokenize = Timed(encoder._tokenize, "tokenize", times)
     encoder.model = Timed(encoder.model, "encoder", times)
     encode_queries = encoder.encode_queries
     encoder.encode_queries = Timed(encode_queries, "encode_total", times)
@@ -88,10 +91,10 @@ def profile_in_process(retriever: Retriever, bodies: list[bytes], config: Server
         start = time.perf_counter()
         content = {"result": format_result(hits, request.return_scores)}
         times["format"] = time.perf_counter() - start
-        start = time.perf_counter()
-        JSONResponse(content)
-        times["json"] = time.perf_counter() - start
-        times["pooling"] = times.pop("encode_total") - times["tokenize"] - times["encoder"]
+        Timed(json_response, "json", times)(content)
+        for suffix in ("", "_thread"):
+            times[f"pooling{suffix}"] = (times.pop(f"encode_total{suffix}") - times[f"tokenize{suffix}"]
+                                         - times[f"encoder{suffix}"])
         times["hits"] = search_total - times["pooling"] - times["tokenize"] - times["encoder"] - times["search"] \
             - times["lookup"]
         for stage, seconds in times.items():
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             "cpus": os.cpu_count(), "cpu_threads": args.cpu_threads, "end_to_end_p50_ms": round(e2e, 2),
             "max_batch_chars": args.max_batch_chars, "batches_per_request": round(batches_per_request, 2),
             **{f"{stage}_ms": round(medians[stage], 2) for stage in [*order, "http+queue"]},
+            **{f"{stage}_ms": round(medians[stage], 2) for stage in sorted(medians) if stage.endswith("_thread")},
             **{key: round(value, 2) for key, value in server.items()}}, args.out)
 
 

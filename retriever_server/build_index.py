@@ -65,7 +65,7 @@ def embed_corpus(corpus: Corpus, encoder: Encoder, config: BuildConfig) -> list[
     if done:
         logger.info("resuming: %d of %d passages already embedded in %s", done, len(corpus), folder)
     # Several forward passes per call: long enough to sort by length, short enough for a lively progress bar.
-    step = encoder.config.encode_batch_size * 8
+    step = encoder.batch_size * 8
     with tqdm(total=len(corpus), initial=done, unit="passage", desc="embedding", mininterval=5) as progress:
         for start, path in zip(starts, paths, strict=True):
             if path.exists():

@@ -9,6 +9,7 @@ throughput; CPU kernels for fp16 are slow, so CPU stays fp32.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +39,11 @@ class EncoderConfig:
         default=None, metadata={"help": "Prepended to passages; default 'passage: ' for e5."}
     )
     max_length: int = field(default=256, metadata={"help": "Tokens kept per text; longer texts are truncated."})
-    encode_batch_size: int = field(default=128, metadata={"help": "Texts per forward pass."})
+    encode_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Texts per forward pass. Default: 128 on CPU, 512 on GPU, where a forward of a few hundred "
+                          "queries costs about its kernel launches (6.8 ms for 64 queries on an H200)."},
+    )
     fp16: bool = field(default=True, metadata={"help": "Run the model in fp16 when on GPU (ignored on CPU)."})
     device: str | None = field(default=None, metadata={"help": "torch device; default cuda if available, else cpu."})
 
@@ -53,7 +58,7 @@ class EncoderConfig:
             self.query_prefix = "query: " if is_e5 else ""
         if self.passage_prefix is None:
             self.passage_prefix = "passage: " if is_e5 else ""
-        if self.max_length <= 0 or self.encode_batch_size <= 0:
+        if self.max_length <= 0 or (self.encode_batch_size is not None and self.encode_batch_size <= 0):
             raise ValueError(
                 f"max_length and encode_batch_size must be positive, got {self.max_length}, {self.encode_batch_size}"
             )
@@ -71,9 +76,18 @@ class Encoder:
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.retriever_model)
-        dtype = torch.float16 if config.fp16 and self.device.type == "cuda" else torch.float32
+        gpu = self.device.type == "cuda"
+        self.batch_size = config.encode_batch_size or (512 if gpu else 128)
+        dtype = torch.float16 if config.fp16 and gpu else torch.float32
         self.model = AutoModel.from_pretrained(config.retriever_model, dtype=dtype).to(self.device).eval()
         self.dim = self.model.config.hidden_size
+        # The tokenizers library's own tokenizer, truncating and padding as the call in ``_tokenize`` would.
+        self._backend = None
+        if self.tokenizer.is_fast:
+            self._backend = copy.deepcopy(self.tokenizer.backend_tokenizer)
+            self._backend.enable_truncation(config.max_length)
+            self._backend.enable_padding(pad_id=self.tokenizer.pad_token_id, pad_token=self.tokenizer.pad_token,
+                                         direction=self.tokenizer.padding_side)
 
     def encode_queries(self, queries: list[str]) -> np.ndarray:
         return self._encode([self.config.query_prefix + q for q in queries])
@@ -86,13 +100,9 @@ class Encoder:
         out = np.empty((len(texts), self.dim), dtype=np.float32)
         # Texts of similar length share a batch, so little compute is spent on padding.
         order = np.argsort([-len(t) for t in texts], kind="stable")
-        step = self.config.encode_batch_size
-        for start in range(0, len(texts), step):
-            rows = order[start:start + step]
-            batch = self.tokenizer(
-                [texts[i] for i in rows], padding=True, truncation=True, max_length=self.config.max_length,
-                return_tensors="pt",
-            ).to(self.device)
+        for start in range(0, len(texts), self.batch_size):
+            rows = order[start:start + self.batch_size]
+            batch = {k: v.to(self.device) for k, v in self._tokenize([texts[i] for i in rows]).items()}
             hidden = self.model(**batch).last_hidden_state
             if self.config.pooling == "cls":
                 pooled = hidden[:, 0]
@@ -105,3 +115,15 @@ class Encoder:
                 pooled = torch.nn.functional.normalize(pooled, dim=-1)
             out[rows] = pooled.cpu().numpy()
         return out
+
+    def _tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        """The tokenizer's ``(texts, padding=True, truncation=True, return_tensors="pt")``, the same tensors. With a
+        fast tokenizer the Rust one is called directly: transformers' call holds the GIL building its BatchEncoding,
+        17 of 30 ms for 512 queries against 2 ms here, time the server's other threads wait for."""
+        if self._backend is None:
+            return dict(self.tokenizer(texts, padding=True, truncation=True, max_length=self.config.max_length,
+                                       return_tensors="pt"))
+        encodings = self._backend.encode_batch_fast(texts)
+        fields = {"input_ids": "ids", "attention_mask": "attention_mask", "token_type_ids": "type_ids"}
+        return {name: torch.from_numpy(np.array([getattr(e, fields[name]) for e in encodings], dtype=np.int64))
+                for name in self.tokenizer.model_input_names if name in fields}

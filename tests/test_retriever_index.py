@@ -39,6 +39,18 @@ def test_unknown_pooling_is_refused_by_name():
         EncoderConfig(retriever_model="m", pooling="max")
 
 
+def test_the_encoder_tokenizes_as_the_transformers_call_does(offline_assets):
+    """The Rust tokenizer is called directly (issue 15: less GIL held per batch); its tensors must be the call's."""
+    encoder = Encoder(EncoderConfig(retriever_model=offline_assets.embedder, max_length=12))
+    texts = ["who won super bowl 50?", "x", "Zürich's 東京 café — naïve résumé " * 4, "  spaced   out  ", "a b c d"]
+    expected = encoder.tokenizer(texts, padding=True, truncation=True, max_length=12, return_tensors="pt")
+    got = encoder._tokenize(texts)
+    assert set(got) == set(expected) == {"input_ids", "token_type_ids", "attention_mask"}
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].equal(tensor), name
+    assert got["attention_mask"].sum(1).tolist()[2] == 12  # the long text was truncated, the short ones padded
+    assert encoder.batch_size == 128  # the CPU default
+
 def clustered_unit_vectors(n: int, dim: int) -> np.ndarray:
     """Vectors around 32 centres, like real embeddings (uniform noise is the worst case for IVF and PQ)."""
     rng = np.random.default_rng(0)
