@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_path.sh qwen3_1_7b     # the qwen3_1_7b recipe's mechanics with a random-weight Qwen3-1.7B
 #   bash benchmarks/gpu_path.sh beat_rag <gpu> <seed> [recipe flags]  # offline_gpu on one GPU, warm start + GRPO
 #   bash benchmarks/gpu_path.sh eval_table <gpu> <name> <checkpoint>...  # direct / rag / agent, 500 seeded questions
+#   bash benchmarks/gpu_path.sh performance    # one GPU, ~8 min: the retriever vs the one-request-at-a-time reference
+#                                              # on this host, its stages, and the policy update's MFU (issue 15)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source /root/searchr1_env.sh
@@ -70,5 +72,21 @@ case "${1:?step}" in
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \
       --generator transformers --max_concurrency 256 --retriever_port 8200 --output_dir "$RUNS/eval_$name" ;;
+  performance)
+    for load in "64 1" "8 64"; do
+      read -r clients queries <<<"$load"
+      python3 -m benchmarks.retriever_load --clients "$clients" --processes 4 --queries_per_request "$queries" \
+        --duration_s 20 --modes on,reference --search_threads 2 --out "$RUNS/retriever_load.jsonl"
+    done
+    for queries in 64 512; do
+      OMP_WAIT_POLICY=PASSIVE python3 -m benchmarks.retriever_profile --queries_per_request "$queries" \
+        --out "$RUNS/retriever_profile.jsonl"
+    done
+    for batch in 8 16; do
+      python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch "$batch" --dtype bfloat16 \
+        --fp32_master_weights --out "$RUNS/policy_update.jsonl"
+    done
+    python3 -m benchmarks.policy_update --model Qwen/Qwen3-8B --seq 2048 --batch 4 --dtype bfloat16 \
+      --out "$RUNS/policy_update.jsonl" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
