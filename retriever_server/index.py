@@ -209,10 +209,9 @@ class TorchFlatIndex:
             scores, rows = self._search_shard(shard, x, k)
             best_scores.append(scores.to(first))
             best_rows.append((rows + offset).to(first))
-        scores, rows = torch.cat(best_scores, 1), torch.cat(best_rows, 1)
-        top = scores.topk(min(k, scores.shape[1]), dim=1)
-        rows = rows.gather(1, top.indices).masked_fill_(top.values == -math.inf, -1)  # faiss's mark for "no row"
-        return top.values.cpu().numpy(), rows.cpu().numpy()
+        scores, rows = _best_of(best_scores, best_rows, k)
+        rows = rows.masked_fill_(scores == -math.inf, -1)  # faiss's mark for "no row"
+        return scores.cpu().numpy(), rows.cpu().numpy()
 
     def _search_shard(self, shard, x, k: int):
         """The best k (fp32 scores, shard rows) per query in one shard; rows past its end score -inf."""
@@ -262,17 +261,22 @@ class TorchFlatIndex:
         """fp32 vectors (the CPU search): their scores are already exact and a CPU ``topk`` over them is cheap, so
         one matmul + ``topk`` per chunk. 64 queries on 2 cores: 1.1 ms over 4,096 passages (faiss 7.3 ms, the two
         stages 33 ms), 9.3 ms over 31,000 (faiss 51 ms)."""
-        import torch
-
         best_scores, best_rows = [], []
         step = self.chunk_rows(len(x))
         for start in range(0, len(shard), step):
             top = (x @ shard[start:start + step].T).topk(min(k, len(shard) - start, step), dim=1)
             best_scores.append(top.values)
             best_rows.append(top.indices + start)
-        scores, rows = torch.cat(best_scores, 1), torch.cat(best_rows, 1)
-        top = scores.topk(min(k, scores.shape[1]), dim=1)
-        return top.values, rows.gather(1, top.indices)
+        return _best_of(best_scores, best_rows, k)
+
+
+def _best_of(scores: list, rows: list, k: int):
+    """The best k (scores, rows) per query among candidate lists (each ``(B, <=k)``), best first."""
+    import torch
+
+    scores, rows = torch.cat(scores, 1), torch.cat(rows, 1)
+    top = scores.topk(min(k, scores.shape[1]), dim=1)
+    return top.values, rows.gather(1, top.indices)
 
 
 class Corpus:
