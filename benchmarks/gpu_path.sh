@@ -86,7 +86,11 @@ case "${1:?step}" in
       python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch "$batch" --dtype bfloat16 \
         --fp32_master_weights --out "$RUNS/policy_update.jsonl"
     done
-    python3 -m benchmarks.policy_update --model Qwen/Qwen3-8B --seq 2048 --batch 4 --dtype bfloat16 \
-      --out "$RUNS/policy_update.jsonl" ;;
+    for lever in "" --compile_layers; do
+      python3 -m benchmarks.policy_update --model Qwen/Qwen3-8B --seq 2048 --batch 4 --dtype bfloat16 $lever \
+        --out "$RUNS/policy_update.jsonl"
+    done
+    python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch 8 --dtype bfloat16 \
+      --fp32_master_weights --compile_layers --out "$RUNS/policy_update.jsonl" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
