@@ -195,11 +195,11 @@ def bench(mode: str, index: Path, corpus: Path, questions: list[str], threads: l
         module, flags = "benchmarks.searchr1_reference", threads
     else:
         module = "retriever_server.server"
-        limits = [(flag, value) for flag, value in (("--max_batch_size", args.max_batch_size),
-                                                     ("--max_batch_chars", args.max_batch_chars),
-                                                     ("--search_threads", args.search_threads)) if value is not None]
-        flags = ["--batching" if mode == "on" else "--no_batching", "--max_wait_ms", str(args.max_wait_ms),
-                 *[item for pair in limits for item in (pair[0], str(pair[1]))], *threads]
+        flags = ["--batching" if mode == "on" else "--no_batching", "--max_wait_ms", str(args.max_wait_ms), *threads]
+        for flag, value in (("--max_batch_size", args.max_batch_size), ("--max_batch_chars", args.max_batch_chars),
+                            ("--search_threads", args.search_threads)):
+            if value is not None:  # else the server's default for its encoder device
+                flags += [flag, str(value)]
     with RetrieverProcess(index_path=str(index), corpus_path=str(corpus), retriever_model=args.retriever_model,
                           port=port, log_file=str(index.parent / f"server-{mode}.log"), extra_args=tuple(flags),
                           module=module) as server:

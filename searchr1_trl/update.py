@@ -73,19 +73,21 @@ def with_fp32_master_weights(optimizer: torch.optim.Optimizer, deepspeed: bool =
     return optimizer
 
 
-def pack_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Where each real token of a padded batch goes in a packed one of the same row length.
 
     Returns ``(source, target, position_ids, rows)``: flat indices of the real tokens in the padded ``(B, L)`` batch
     and in the packed ``(rows, L)`` one, the packed batch's position ids (restarting at 0 per sequence; a row's padded
-    tail continues its last sequence, which it follows, so no real token attends to it) and the row count.
+    tail continues its last sequence, which it follows, so no real token attends to it) and the row count. Built on
+    the host from one copy of the mask, then moved to its device: one synchronisation per micro-batch.
 
     >>> pack_rows(torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 1]]))[2]
     tensor([[0, 1, 2, 0],
             [0, 1, 2, 3]])
     """
     batch, length = attention_mask.shape
-    lengths = attention_mask.sum(-1).tolist()
+    real = attention_mask.bool().cpu()
+    lengths = real.sum(-1).tolist()
     bins: list[list[int]] = []
     fill: list[int] = []
     for i in sorted(range(batch), key=lambda i: -lengths[i]):
@@ -96,7 +98,6 @@ def pack_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
             row = len(bins) - 1
         bins[row].append(i)
         fill[row] += lengths[i]
-    real = attention_mask.bool()
     sources, targets = [], []
     position_ids = torch.zeros(len(bins), length, dtype=torch.long)
     for row, members in enumerate(bins):
@@ -110,8 +111,7 @@ def pack_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
             last = position_ids[row, offset - 1]
             position_ids[row, offset:] = torch.arange(last + 1, last + 1 + length - offset)
     device = attention_mask.device
-    return (torch.cat(sources).to(device), torch.cat(targets).to(device), position_ids.to(device),
-            torch.tensor(len(bins)))
+    return torch.cat(sources).to(device), torch.cat(targets).to(device), position_ids.to(device), len(bins)
 
 
 def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
@@ -123,7 +123,7 @@ def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     scored = torch.zeros_like(attention_mask, dtype=torch.bool)
     scored[:, -logits_to_keep:] = True
     scored &= attention_mask.bool()
-    packed = input_ids.new_zeros(int(rows) * length)
+    packed = input_ids.new_zeros(rows * length)
     packed[target] = input_ids.reshape(-1)[source]
     labels = torch.full_like(packed, -100)
     labels[target] = torch.where(scored.reshape(-1)[source], input_ids.reshape(-1)[source], -100)
