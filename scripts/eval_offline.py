@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--checkpoints", nargs="+", default=None, help="default: the offline base model")
     parser.add_argument("--num_samples", type=int, default=32)
     parser.add_argument("--sample_seed", type=int, default=0)
+    parser.add_argument("--sample_offset", type=int, default=0, help="500 with --num_samples 500: the report sample")
     parser.add_argument("--methods", nargs="+", default=["direct", "rag", "agent"])
     parser.add_argument("--corpus", choices=["slice", "full"], default="slice")
     parser.add_argument("--distractors", type=int, default=500)
@@ -76,7 +77,7 @@ def main() -> None:
     checkpoints = args.checkpoints or [assets.model]
 
     sample = eval_cli.EvalConfig(checkpoints=checkpoints, data=[assets.test_questions], num_samples=args.num_samples,
-                                 sample_seed=args.sample_seed)
+                                 sample_seed=args.sample_seed, sample_offset=args.sample_offset)
     questions = [s.question for _, s in eval_cli.load_questions(sample)]
     import pandas as pd
 
@@ -97,6 +98,7 @@ def main() -> None:
             command = [
                 "searchr1-eval", "--checkpoints", checkpoint, "--data", assets.test_questions,
                 "--num_samples", str(args.num_samples), "--sample_seed", str(args.sample_seed),
+                "--sample_offset", str(args.sample_offset),
                 "--methods", *args.methods, "--search_url", retriever.url, *generator,
                 "--max_concurrency", str(args.max_concurrency), "--output_dir", str(out), *AGENT_SETTINGS,
             ]

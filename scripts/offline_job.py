@@ -186,6 +186,8 @@ def main() -> None:
     parser.add_argument("--retriever_gpu", help="CUDA_VISIBLE_DEVICES of the retriever; set: search on that GPU")
     parser.add_argument("--generator_gpu_memory_utilization", type=float, default=0.3,
                         help="vLLM's share of its GPU (low: it shares the GPU with the trainer or retriever)")
+    parser.add_argument("--generator_kv_cache_gib", type=float,
+                        help="fixed KV cache of the GPU vLLM server (for several jobs side by side on one GPU)")
     parser.add_argument("--generator_enforce_eager", action="store_true",
                         help="vLLM without CUDA graphs on GPU (faster start; always on for CPU)")
     parser.add_argument("--launcher", choices=["python", "accelerate"], default="python")
@@ -214,7 +216,8 @@ def main() -> None:
     generator = VLLMServerConfig.for_this_machine(
         data["model"], port=args.generator_port, log_file=str(out / "vllm.log"),
         gpu_memory_utilization=args.generator_gpu_memory_utilization, env=gpu_env(args.generator_gpu),
-        **({"enforce_eager": True} if args.generator_enforce_eager else {}))
+        **({"enforce_eager": True} if args.generator_enforce_eager else {}),
+        **({"gpu_kv_cache_gib": args.generator_kv_cache_gib} if args.generator_kv_cache_gib else {}))
     retriever = RetrieverProcess(
         index_path=str(index), corpus_path=data["corpus"], retriever_model=assets.embedder, port=args.retriever_port,
         log_file=str(out / "retriever.log"), env=gpu_env(args.retriever_gpu),
@@ -246,7 +249,8 @@ def main() -> None:
         # and a server that dies under the trainer stops it at once, named.
         run_reporting("trainer", trainer, needs=needs, env={**os.environ, **gpu_env(args.trainer_gpu)})
 
-    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    state = json.loads((out / "trainer_state.json").read_text())
+    history = state["log_history"]
     plot(history, out / "curves.png")
     evals = [e for e in history if "eval_em" in e]
     summary = {
@@ -256,6 +260,12 @@ def main() -> None:
         "searches_per_rollout_before_after": [evals[0].get("eval_searches_per_rollout"),
                                               evals[-1].get("eval_searches_per_rollout")] if evals else None,
         "eval_em_by_step": {e["step"]: e["eval_em"] for e in evals},
+        # the checkpoint training ended on (the collapse guard's choice by validation EM; None: the last step)
+        "best_step": state.get("best_global_step"), "best_eval_em": state.get("best_metric"),
+        "report_em_by_step": {e["step"]: e["report_em"] for e in evals if "report_em" in e},
+        "evals": [{k: v for k, v in e.items() if k.startswith(("eval_", "report_")) or k == "step"} for e in evals],
+        "train_searches_by_step": {e["step"]: e["rollout/searches_per_rollout"] for e in history
+                                   if "rollout/searches_per_rollout" in e},
         "train_runtime_s": next((e["train_runtime"] for e in history if "train_runtime" in e), None),
         "per_step_s": time_split(history, rollouts_per_step=rollouts_per_step(recipe, train_overrides)),
     }

@@ -44,7 +44,7 @@ from searchr1_trl.env import (
 )
 from searchr1_trl.generation import Generator, SamplingParams, TransformersGenerator, VLLMServerGenerator, end_token_ids
 from searchr1_trl.rollout import EnvStep, MessageEnv, Rollout, RolloutConfig, RolloutEngine, RolloutStatus
-from searchr1_trl.rubric import RewardExactMatch, final_answer
+from searchr1_trl.rubric import RewardExactMatch, final_answer, normalize_answer, retrieval_surfaced_gold
 
 METHODS = ("direct", "rag", "agent")
 
@@ -85,6 +85,7 @@ class Trace:
     num_turns: int
     status: str  # a RolloutStatus value
     messages: list[dict] = field(default_factory=list)
+    gold_in_first_search: bool | None = None  # whether the first search's passages hold a golden answer; None: none
 
 
 def _searches(messages: Sequence[dict]) -> list[dict]:
@@ -104,6 +105,21 @@ def _searches(messages: Sequence[dict]) -> list[dict]:
     for call, titles in zip(calls, answers, strict=False):
         call["titles"] = titles
     return calls
+
+
+def _gold_in_first_search(messages: Sequence[dict], golden_answers: Sequence[str]) -> bool | None:
+    """Whether the first search result (a ``search`` tool message) holds a golden answer as whole words; None when
+    the conversation has no search result."""
+    first = next((m for m in messages if m.get("role") == "tool" and m.get("name") == "search"), None)
+    if first is None:
+        return None
+    return retrieval_surfaced_gold([first], {gold for gold in map(normalize_answer, golden_answers) if gold})
+
+
+def _made_second_query(trace: Trace) -> bool:
+    """Whether a later search asked something other than the first (after SQuAD normalisation)."""
+    queries = [normalize_answer(search["query"] or "") for search in trace.searches]
+    return any(query != queries[0] for query in queries[1:])
 
 
 class OneTurnEnv(MessageEnv):
@@ -137,13 +153,17 @@ class Method:
 
     def trace(self, sample, rollout: Rollout) -> Trace:
         searches = _searches(rollout.messages)
+        gold_first = _gold_in_first_search(rollout.messages, sample.golden_answers)
         if self.retrieval is not None:
-            searches.insert(0, {"query": sample.question, "titles": passage_titles(rollout.messages[0]["content"])})
+            passages = rollout.messages[0]["content"]
+            searches.insert(0, {"query": sample.question, "titles": passage_titles(passages)})
+            gold_first = _gold_in_first_search([{"role": "tool", "name": "search", "content": passages}],
+                                               sample.golden_answers)
         return Trace(
             question=sample.question, golden_answers=list(sample.golden_answers),
             data_source=sample.data_source or "all", method=self.name, answer=final_answer(rollout.messages),
             em=exact_match(rollout.messages, sample.golden_answers), searches=searches, num_turns=rollout.num_turns,
-            status=rollout.status.value, messages=rollout.messages,
+            status=rollout.status.value, messages=rollout.messages, gold_in_first_search=gold_first,
         )
 
     async def aclose(self) -> None:
@@ -193,7 +213,9 @@ async def run(method: Method, samples: Sequence, params: SamplingParams,
 
 
 def summarize(traces: Sequence[Trace]) -> dict[str, float]:
-    """EM overall and per data source (``em/<source>``), searches and turns per rollout, status fractions.
+    """EM overall and per data source (``em/<source>``), searches and turns per rollout, status fractions, and what
+    a search policy learned: ``second_query_rate`` (a later search asked something else), ``first_search_missed``
+    (the first search's passages held no golden answer) and ``em_first_search_missed`` (EM of those).
 
     ``em`` is over all traces (micro); a table's average over data sources is :func:`macro_average`.
     """
@@ -208,8 +230,14 @@ def summarize(traces: Sequence[Trace]) -> dict[str, float]:
         "searches_per_rollout": sum(len(t.searches) for t in traces) / n,
         "turns_per_rollout": sum(t.num_turns for t in traces) / n,
         **{f"status_{s.value}": sum(t.status == s.value for t in traces) / n for s in RolloutStatus},
+        "second_query_rate": sum(_made_second_query(t) for t in traces if t.searches) / n,
         "num_samples": n,
     }
+    missed = [t for t in traces if t.gold_in_first_search is False]
+    if any(t.gold_in_first_search is not None for t in traces):
+        metrics["first_search_missed"] = len(missed) / n
+    if missed:
+        metrics["em_first_search_missed"] = sum(t.em for t in missed) / len(missed)
     metrics.update({f"em/{source}": sum(v) / len(v) for source, v in sorted(by_source.items())})
     return metrics
 

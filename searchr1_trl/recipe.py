@@ -33,6 +33,7 @@ from typing import Any
 from trl import GRPOConfig, ModelConfig, TrlParser
 
 from searchr1_trl.assets import resolve_path
+from searchr1_trl.collapse_guard import CollapseGuardConfig
 from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
 from searchr1_trl.env import SearchR1Env, SearchR1EnvConfig
 from searchr1_trl.generation import (
@@ -74,6 +75,7 @@ PARTS: dict[str, Any] = {
     "vllm_generator": VLLMServerGeneratorConfig(),
     "transformers_generator": TransformersGeneratorConfig(),
     "warm_start": WarmStartConfig(),  # off: no traces
+    "collapse_guard": CollapseGuardConfig(),  # on wherever training validates
 }
 
 # Knobs of the parts that are no recipe field, because build_task derives them.
@@ -126,6 +128,12 @@ class SearchR1Config(GRPOConfig):
                           "weights in its state and steps those, so small updates are not lost to bf16 rounding, "
                           "while forward and backward run on bf16 weights. Not under DeepSpeed (it does this itself)."},
     )
+    drop_equal_reward_groups: bool = field(
+        default=False,
+        metadata={"help": "DAPO's dynamic sampling without the refill: a group whose rollouts all got the same reward "
+                          "(zero advantage) is left out of the loss and of its token normaliser, so it does not dilute "
+                          "the groups that carry signal; counted as train/dropped_groups."},
+    )
     padding_free: bool = field(
         default=False,
         metadata={"help": "Pack each micro-batch's rollouts without padding (position ids restart per rollout) for the "
@@ -151,6 +159,12 @@ class SearchR1Config(GRPOConfig):
     eval_filename: str = knob("eval_stream", "filename")
     eval_data_source: str | None = knob("eval_stream", "data_source")
     eval_num_samples: int = field(default=500, metadata={"help": "Validation questions (see eval_sample_seed)."})
+    report_num_samples: int = field(
+        default=0,
+        metadata={"help": "Questions of a second validation sample, disjoint from the first (the next rows of the same "
+                          "order), evaluated beside it and logged as report_*: the figure to report, since the best "
+                          "checkpoint is chosen on the first. 0: none."},
+    )
     eval_sample_seed: int | None = field(
         default=None,
         metadata={"help": "None: the first eval_num_samples rows in file order (the seed's slice); a seed: a seeded "
@@ -191,6 +205,12 @@ class SearchR1Config(GRPOConfig):
     warm_start_epochs: float = knob("warm_start", "epochs")
     warm_start_batch_size: int = knob("warm_start", "batch_size")
 
+    # --- collapse guard (searchr1_trl/collapse_guard.py) ---
+    collapse_guard: bool = knob("collapse_guard", "enabled")
+    collapse_em_drop: float = knob("collapse_guard", "em_drop")
+    collapse_searches_drop: float = knob("collapse_guard", "searches_drop")
+    collapse_entropy_drop: float = knob("collapse_guard", "entropy_drop")
+
     # --- generator ---
     generator: str = field(
         default="vllm",
@@ -227,6 +247,12 @@ class SearchR1Config(GRPOConfig):
                 raise ValueError(f"{name}={value!r}: SearchR1Trainer sets {name} itself (to {wanted!r} here); "
                                  f"remove it from the recipe{instead}")
             setattr(self, name, wanted)
+        if self.collapse_guard and self.eval_strategy != "no":
+            if self.metric_for_best_model not in (None, "em", "eval_em"):
+                raise ValueError(f"metric_for_best_model={self.metric_for_best_model!r}: the collapse guard keeps the "
+                                 "best checkpoint by validation EM; remove it or set collapse_guard false")
+            # transformers' own best-checkpoint machinery; it refuses save_steps that are no multiple of eval_steps
+            self.metric_for_best_model, self.greater_is_better, self.load_best_model_at_end = "em", True, True
         for name in ("train_data_path", "eval_data_path", "weight_sync_dir"):
             if getattr(self, name):
                 setattr(self, name, resolve_path(getattr(self, name)))
@@ -282,6 +308,7 @@ class SearchR1Task:
     rubric: Rubric
     generator: Callable[[Any, Any], Generator]  # (model, tokenizer) -> generator: TRL loads the model first
     warm_start: WarmStartConfig  # num_traces 0: none
+    report_samples: list[SearchR1Sample] = field(default_factory=list)  # disjoint from eval_samples
 
 
 def build_task(args: SearchR1Config) -> SearchR1Task:
@@ -303,9 +330,15 @@ def build_task(args: SearchR1Config) -> SearchR1Task:
         def generator(model, tokenizer) -> Generator:
             return TransformersGenerator(model, tokenizer, **asdict(in_process))
 
+    held_out = SearchR1Dataset(eval_stream).take(args.eval_num_samples + args.report_num_samples) if validates else []
+    if args.report_num_samples and len(held_out) < args.eval_num_samples + args.report_num_samples:
+        raise ValueError(f"eval_num_samples={args.eval_num_samples} + report_num_samples={args.report_num_samples} "
+                         f"asks for more questions than {eval_stream.data_path or eval_stream.filename} holds "
+                         f"({len(held_out)})")
     return SearchR1Task(
         train_stream=SearchR1Dataset(part_config(args, "train_stream")),
-        eval_samples=SearchR1Dataset(eval_stream).take(args.eval_num_samples) if validates else [],
+        eval_samples=held_out[:args.eval_num_samples],
+        report_samples=held_out[args.eval_num_samples:],
         env=SearchR1Env(part_config(args, "env")),
         rollout=part_config(args, "rollout"),
         sampling=replace(part_config(args, "sampling"), temperature=args.temperature, top_p=args.top_p),

@@ -19,6 +19,10 @@ What this subclass decides, and nothing more:
 - **Two throughput levers of the policy update** (:mod:`searchr1_trl.update`, both off by default):
   ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer) and ``padding_free`` (rollouts packed without
   padding for the log-prob forward); the loss, tool tokens masked, is TRL's either way.
+- **The saved model is the best validated one** (:mod:`searchr1_trl.collapse_guard`): a collapse stops training and
+  it ends on the best checkpoint by validation EM, step 0 included; ``report_num_samples`` questions disjoint from
+  the validation sample are evaluated beside it, as the figure to report.
+- **DAPO's dynamic sampling** (``drop_equal_reward_groups``): groups without reward spread leave the loss.
 - **An optimizer step with NaN/inf gradients is skipped** (:class:`NonFiniteGradientGuard`), not applied.
 - **Connections are closed**: the event loop rollouts run on, the generator's and the retriever's pooled clients are
   opened by ``train()`` (or a standalone ``evaluate()``) and closed when it returns, also on an error.
@@ -53,10 +57,11 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
 from searchr1_trl import evaluation
+from searchr1_trl.collapse_guard import CollapseGuard
 from searchr1_trl.data import SearchR1Dataset, SearchR1Sample
 from searchr1_trl.env import SearchR1Env
 from searchr1_trl.generation import SamplingParams
-from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task
+from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task, part_config
 from searchr1_trl.rollout import Rollout, RolloutEngine
 from searchr1_trl.update import packed_forward, with_fp32_master_weights
 from searchr1_trl.vllm_server import reload_weights
@@ -158,6 +163,10 @@ class SearchR1Trainer(GRPOTrainer):
             peft_config=peft_config, rollout_func=self._rollout_func, **kwargs,
         )
         self.add_callback(NonFiniteGradientGuard(self._metrics["train"]))
+        self.collapse_guard = None
+        if args.collapse_guard and args.load_best_model_at_end:  # set by the recipe wherever training validates
+            self.collapse_guard = CollapseGuard(part_config(args, "collapse_guard"))
+            self.add_callback(self.collapse_guard)
         self.engine = RolloutEngine(self.processing_class, self.task.generator(self.model, self.processing_class),
                                     self.env, self.task.rollout)
 
@@ -191,6 +200,24 @@ class SearchR1Trainer(GRPOTrainer):
             aux_losses.append(outputs.aux_loss)
         return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None,
                 torch.stack(aux_losses).mean() if compute_aux_loss else None)
+
+    def _generate_and_score_completions(self, inputs):
+        # Extends GRPOTrainer._generate_and_score_completions (TRL 1.16): with drop_equal_reward_groups, a group whose
+        # advantages are all ~0 (equal rewards; TRL divides by std + 1e-4, so float noise stays far below 0.01 while
+        # a group with spread has |advantage| ~1) leaves the loss mask and the DAPO token count.
+        output = super()._generate_and_score_completions(inputs)
+        if not (self.args.drop_equal_reward_groups and self.model.training):
+            return output
+        advantages = output["advantages"]
+        if advantages.numel() % self.num_generations:
+            raise ValueError(f"drop_equal_reward_groups: this process holds {advantages.numel()} rollouts, not whole "
+                             f"groups of num_generations={self.num_generations}")
+        keep = (advantages.view(-1, self.num_generations).abs() > 0.01).any(dim=1)
+        self._metrics["train"]["train/dropped_groups"].append(1.0 - keep.float().mean().item())
+        output["completion_mask"] = output["completion_mask"] * keep.repeat_interleave(self.num_generations)[:, None]
+        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
+        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        return output
 
     # ---- rollouts ----------------------------------------------------------------------------------------------
 
@@ -318,25 +345,40 @@ class SearchR1Trainer(GRPOTrainer):
     # ---- validation --------------------------------------------------------------------------------------------
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """The ``agent`` method of :mod:`searchr1_trl.evaluation` over the validation slice: greedy rollouts, EM
-        overall and per data source, searches and turns per rollout, status fractions, via the trainer's log."""
+        """The ``agent`` method of :mod:`searchr1_trl.evaluation` over the validation slice and, beside it in the same
+        pass, the report slice: greedy rollouts, EM overall and per data source, searches and turns per rollout,
+        status fractions and what the search policy learned, as ``<prefix>_*`` and ``report_*`` via the trainer's log.
+        Training's step-0 validation is saved as a best-checkpoint candidate when the collapse guard is on."""
         self._sync_generator_weights()
-        local = self.eval_samples[self.accelerator.process_index::self.accelerator.num_processes]
+        held_out = [(metric_key_prefix, s) for s in self.eval_samples]
+        held_out += [("report", s) for s in self.task.report_samples]
+        local = held_out[self.accelerator.process_index::self.accelerator.num_processes]
         start = time.perf_counter()
         progress = tqdm(total=len(local), desc="validation rollouts", unit="rollout", leave=False,
                         disable=not self.is_local_process_zero())
         traces = self._run_on_generator(evaluation.run(
-            evaluation.Method("agent", self.engine), local, evaluation.greedy_params(self.task.sampling.max_tokens),
+            evaluation.Method("agent", self.engine), [sample for _, sample in local],
+            evaluation.greedy_params(self.task.sampling.max_tokens),
             on_trace=lambda index, trace: progress.update(), max_concurrency=self.args.generator_max_concurrency,
         ))
         progress.close()
         # Only what the summary needs crosses processes; the conversations stay where they were generated.
-        traces = gather_object([replace(trace, messages=[]) for trace in traces])
-        summary = evaluation.summarize(traces)
-        metrics = {f"{metric_key_prefix}_{key}": value for key, value in summary.items()}
+        named = gather_object([(name, replace(trace, messages=[])) for (name, _), trace in zip(local, traces,
+                                                                                                strict=True)])
+        metrics = {}
+        for name in dict.fromkeys(name for name, _ in held_out):
+            summary = evaluation.summarize([trace for n, trace in named if n == name])
+            metrics.update({f"{name}_{key}": value for key, value in summary.items()})
         metrics[f"{metric_key_prefix}_runtime"] = time.perf_counter() - start
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        if self.collapse_guard is not None and self.collapse_guard.wants_start_checkpoint(self.state):
+            # transformers saves (and ranks) checkpoints only after optimizer steps; the start can be the best.
+            self._determine_best_metric(metrics=metrics, trial=None)
+            self._save_checkpoint(self.model_wrapped, trial=None)
+            # transformers 5.24 reads best_global_step 0 as "none" and would not record this checkpoint as the best
+            run_dir = Path(self._get_output_dir(trial=None))
+            self.state.best_model_checkpoint = str(run_dir / f"{PREFIX_CHECKPOINT_DIR}-0")
         return metrics
 
     # ---- data, checkpoint and resume ---------------------------------------------------------------------------
@@ -379,7 +421,13 @@ class SearchR1Trainer(GRPOTrainer):
             state_file = Path(resume_from_checkpoint) / STREAM_STATE_FILE
             self.train_stream.load_state_dict(json.loads(state_file.read_text()))
         with self._event_loop():
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        best = self.state.best_global_step
+        if self.args.load_best_model_at_end and best is not None and best != self.state.global_step:
+            logger.warning("training ends on the best checkpoint: step %d (validation EM %.3f), not the last step %d",
+                           best, self.state.best_metric, self.state.global_step)
+            self._synced_step = -1  # the server holds the last step's weights: push the restored ones next time
+        return output
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card plus what a Search-R1 checkpoint needs to be reproduced: recipe, data, retriever, final EM."""
@@ -389,6 +437,9 @@ class SearchR1Trainer(GRPOTrainer):
             return
         evals = [entry for entry in self.state.log_history if "eval_em" in entry]
         final_em = f"{evals[-1]['eval_em']:.3f} at step {evals[-1]['step']}" if evals else "not evaluated"
+        if self.args.load_best_model_at_end and self.state.best_global_step is not None:
+            final_em = (f"{self.state.best_metric:.3f} at step {self.state.best_global_step} (the best validated "
+                        f"checkpoint, which this model is; last step: {final_em})")
         args = self.args
         section = "\n".join([
             "", "## Search-R1 recipe", "",
