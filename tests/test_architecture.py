@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Lower layers never import higher ones. Same-layer imports are allowed only where listed in SAME_LAYER.
 LAYERS = [
-    {"shapes", "assets", "generation", "parsing", "processes", "vllm_server", "update"},  # leaves: no task, no loop
+    {"shapes", "assets", "generation", "parsing", "processes", "vllm_server", "update", "collapse_guard"},  # leaves
     {"rollout"},  # the generic multi-turn loop
     {"data", "env", "rubric"},  # the Search-R1 task
     {"warm_start"},  # scripted traces of the task, fine-tuned on before GRPO
