@@ -39,7 +39,7 @@ import yaml
 
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import prepare
-from searchr1_trl.generation import resolve_generator  # not recipe: the job needs no torch or trl
+from searchr1_trl.engine.generation import resolve_generator  # not recipe: the job needs no torch or trl
 from searchr1_trl.processes import run_reporting
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 

@@ -1,17 +1,17 @@
 """SearchR1Trainer: TRL's GRPOTrainer with the Search-R1 question stream, multi-turn rollouts and EM rubric plugged in.
 
 What this subclass decides, and nothing more:
-- **Questions** come from the endless, seeded :class:`~searchr1_trl.data.SearchR1Dataset`, not a sampler over a
-  map-style dataset, so a resumed run continues the exact question sequence (its state is saved in every
+- **Questions** come from the endless, seeded :class:`~searchr1_trl.search_r1.data.SearchR1Dataset`, not a sampler
+  over a map-style dataset, so a resumed run continues the exact question sequence (its state is saved in every
   checkpoint next to the optimizer's).
 - **A checkpoint is complete or ignored**: the stream state is written (atomically) first, a
   :data:`CHECKPOINT_COMPLETE_FILE` marker last, and older checkpoints are rotated away only after the marker, so a
   kill at any moment leaves a complete checkpoint; ``resume_from_checkpoint=True`` takes the newest complete one.
 - **The weight-sync folder is the trainer's**: it is replaced on every push, so a folder that holds anything the
   trainer did not write (no :data:`WEIGHT_SYNC_MARKER`) is refused, never deleted.
-- **Rollouts** go through TRL's ``rollout_func`` hook: the generic :class:`~searchr1_trl.rollout.RolloutEngine`
-  drives :class:`~searchr1_trl.env.SearchR1Env`; the returned ``env_mask`` keeps tool tokens out of the loss.
-- **Rewards** are the :class:`~searchr1_trl.rubric.Rubric`, a plain TRL reward function.
+- **Rollouts** go through TRL's ``rollout_func`` hook: the generic :class:`~searchr1_trl.engine.rollout.RolloutEngine`
+  drives :class:`~searchr1_trl.search_r1.env.SearchR1Env`; the returned ``env_mask`` keeps tool tokens out of the loss.
+- **Rewards** are the :class:`~searchr1_trl.search_r1.rubric.Rubric`, a plain TRL reward function.
 - **Generator weights** are pushed after every optimizer step: through TRL's NCCL path (``weight_sync="nccl"``,
   CUDA clusters) or by saving safetensors to a folder the vLLM server reloads in place (``weight_sync="reload"``,
   works without CUDA). The in-process generator (``generator="transformers"``) uses the live model, no sync.
@@ -53,11 +53,11 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
 from searchr1_trl import evaluation
-from searchr1_trl.data import SearchR1Dataset, SearchR1Sample
-from searchr1_trl.env import SearchR1Env
-from searchr1_trl.generation import SamplingParams
+from searchr1_trl.engine.generation import SamplingParams
+from searchr1_trl.engine.rollout import Rollout, RolloutEngine
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task
-from searchr1_trl.rollout import Rollout, RolloutEngine
+from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1Sample
+from searchr1_trl.search_r1.env import SearchR1Env
 from searchr1_trl.update import packed_forward, with_fp32_master_weights
 from searchr1_trl.vllm_server import reload_weights
 

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from searchr1_trl.data import SearchR1Dataset
-from searchr1_trl.generation import Generation, Generator, SamplingParams, end_token_ids
-from searchr1_trl.rollout import Rollout, RolloutEngine, RolloutStatus
-from searchr1_trl.rubric import normalize_answer, retrieval_surfaced_gold
+from searchr1_trl.engine.generation import Generation, Generator, SamplingParams, end_token_ids
+from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
+from searchr1_trl.search_r1.data import SearchR1Dataset
+from searchr1_trl.search_r1.rubric import normalize_answer, retrieval_surfaced_gold
 from searchr1_trl.update import with_fp32_master_weights
 from searchr1_trl.vllm_server import reload_weights
 

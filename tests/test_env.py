@@ -16,8 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from conftest import free_port
 
-from searchr1_trl.data import SearchR1Sample
-from searchr1_trl.env import (
+from searchr1_trl.engine.rollout import EnvStep, MessageEnv
+from searchr1_trl.search_r1.data import SearchR1Sample
+from searchr1_trl.search_r1.env import (
     EMPTY_QUERY_MESSAGE,
     INSTRUCTION,
     RESTATEMENT,
@@ -27,7 +28,6 @@ from searchr1_trl.env import (
     SearchR1EnvConfig,
     _passages_to_string,
 )
-from searchr1_trl.rollout import EnvStep, MessageEnv
 
 SAMPLE = SearchR1Sample(question="Where is the Eiffel Tower?", golden_answers=("Paris",))
 
@@ -327,7 +327,7 @@ def test_a_search_that_keeps_failing_gets_an_empty_result_and_is_counted_and_log
     fake_retriever.script = [fault] * 3
     env = env_for(fake_retriever.url, max_retries=2)
 
-    with caplog.at_level(logging.WARNING, logger="searchr1_trl.env"):
+    with caplog.at_level(logging.WARNING, logger="searchr1_trl.search_r1.env"):
         result = step(env, assistant(search_call({"query": "a"}), search_call({"query": "b"})))
 
     assert [m["content"] for m in result.messages] == ["", ""]

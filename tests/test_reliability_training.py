@@ -20,8 +20,8 @@ import pytest
 from test_trainer import RecordingStream, small_config
 
 from searchr1_trl import trainer as trainer_module
-from searchr1_trl.data import SearchR1Dataset
 from searchr1_trl.recipe import build_task, part_config
+from searchr1_trl.search_r1.data import SearchR1Dataset
 from searchr1_trl.trainer import CHECKPOINT_COMPLETE_FILE, SearchR1Trainer
 
 ROOT = Path(__file__).resolve().parent.parent

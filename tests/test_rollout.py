@@ -13,8 +13,8 @@ import time
 import pytest
 from conftest import LOOKUP_TOOL, template_tokenizer
 
-from searchr1_trl.generation import Generation, Generator, SamplingParams
-from searchr1_trl.rollout import (
+from searchr1_trl.engine.generation import Generation, Generator, SamplingParams
+from searchr1_trl.engine.rollout import (
     EnvStep,
     MessageEnv,
     RolloutConfig,

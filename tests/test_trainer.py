@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from searchr1_trl.data import SearchR1Dataset
 from searchr1_trl.recipe import build_task, part_config
+from searchr1_trl.search_r1.data import SearchR1Dataset
 from searchr1_trl.trainer import STREAM_STATE_FILE, SearchR1Config, SearchR1Trainer
 from searchr1_trl.vllm_server import reload_weights
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from searchr1_trl.rollout import EnvStep, MessageEnv
+from searchr1_trl.engine.rollout import EnvStep, MessageEnv
 
 logger = logging.getLogger(__name__)
 

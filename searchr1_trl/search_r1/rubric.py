@@ -27,7 +27,7 @@ SQuAD script does it, so EM numbers stay comparable with published Search-R1 res
 A :class:`Rubric` sums weighted reward functions and gives ``truncation_reward`` (0.0) to rollouts a budget cut
 short. Every reward function, and the rubric itself, is a TRL reward function:
 ``fn(prompts, completions, *, messages, golden_answers, status=None, **kwargs) -> list[float]``, where ``messages``
-is the whole conversation of each completion and ``status`` its :class:`~searchr1_trl.rollout.RolloutStatus`
+is the whole conversation of each completion and ``status`` its :class:`~searchr1_trl.engine.rollout.RolloutStatus`
 (value), both passed by the trainer's rollout function as extra fields.
 """
 
@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from searchr1_trl.rollout import RolloutStatus
+from searchr1_trl.engine.rollout import RolloutStatus
 
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -217,7 +217,7 @@ class Rubric:
         return totals
 
     def score(self, rollout: Any) -> float:
-        """The reward of one :class:`~searchr1_trl.rollout.Rollout` (its sample carries ``golden_answers``)."""
+        """The reward of one :class:`~searchr1_trl.engine.rollout.Rollout` (its sample carries ``golden_answers``)."""
         return self(
             [None], [None], messages=[rollout.messages], golden_answers=[rollout.sample.golden_answers],
             status=[rollout.status],
