@@ -55,12 +55,8 @@ from searchr1_trl.engine.generation import (
 from searchr1_trl.engine.parsing import response_parser
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
 from searchr1_trl.search_r1.data import SearchR1Sample
-from searchr1_trl.search_r1.env import (
-    SEARCH_TOOL,
-    RetrievalClient,
-    SearchR1Env,
-    SearchR1EnvConfig,
-)
+from searchr1_trl.search_r1.env import SEARCH_TOOL, SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.retrieval import RetrievalClient
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
 ARTICLES = 8  # SQuAD dev articles whose passages form the corpus and whose questions are asked

@@ -45,11 +45,11 @@ from searchr1_trl.engine.rollout import EnvStep, MessageEnv, Rollout, RolloutCon
 from searchr1_trl.search_r1.env import (
     QUESTION_SEPARATOR,
     RESTATEMENT,
-    RetrievalClient,
     SearchR1Env,
     SearchR1EnvConfig,
     _query_from_arguments,
 )
+from searchr1_trl.search_r1.retrieval import RetrievalClient
 from searchr1_trl.search_r1.rubric import RewardExactMatch, final_answer
 
 METHODS = ("direct", "rag", "agent")

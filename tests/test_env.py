@@ -1,4 +1,5 @@
-"""Search-R1 environment: tool exposure, prompt, tool-call handling, batched retrieval and its failure handling.
+"""Search-R1 environment and its retrieval client: tool exposure, prompt, tool-call handling, batched retrieval and
+its failure handling.
 
 Faults are injected by a small retrieval server on a real loopback socket whose answers each test scripts.
 """
@@ -23,11 +24,10 @@ from searchr1_trl.search_r1.env import (
     INSTRUCTION,
     RESTATEMENT,
     SEARCH_TOOL,
-    RetrievalClient,
     SearchR1Env,
     SearchR1EnvConfig,
-    _passages_to_string,
 )
+from searchr1_trl.search_r1.retrieval import RetrievalClient, _passages_to_string
 
 SAMPLE = SearchR1Sample(question="Where is the Eiffel Tower?", golden_answers=("Paris",))
 
@@ -327,7 +327,7 @@ def test_a_search_that_keeps_failing_gets_an_empty_result_and_is_counted_and_log
     fake_retriever.script = [fault] * 3
     env = env_for(fake_retriever.url, max_retries=2)
 
-    with caplog.at_level(logging.WARNING, logger="searchr1_trl.search_r1.env"):
+    with caplog.at_level(logging.WARNING, logger="searchr1_trl.search_r1.retrieval"):
         result = step(env, assistant(search_call({"query": "a"}), search_call({"query": "b"})))
 
     assert [m["content"] for m in result.messages] == ["", ""]

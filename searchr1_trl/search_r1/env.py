@@ -9,17 +9,8 @@ turn with tool calls gets one ``tool`` message per call, all calls run concurren
 long passages (Qwen2.5-Coder-0.5B, greedy, right after one search: EM 0/24 without it, 2/24 with it, 12/24 with
 the same passages pasted into the prompt; ``benchmarks/answer_formats.py``).
 
-Retrieval goes through one pooled ``httpx.AsyncClient`` per :class:`RetrievalClient`. Searches issued in the same
-event-loop instant (the calls of one turn, and the turns of every concurrent rollout that reaches a search together)
-are sent as one request, so the retriever embeds them in one batch. A request that times out, fails to connect,
-gets a 5xx/429 or an unreadable body is retried up to ``max_retries`` times with exponential backoff (0.5 s doubling
-up to 8 s: the defaults wait 39.5 s in all, so a retriever restart of ~10 s costs no search); a search that still
-fails gives the model an empty result, is logged as a warning and is counted in :meth:`SearchR1Env.metrics`, never
-raised into the rollout. Every bound is on wall time, not on socket reads: an attempt gets ``timeout_s`` from
-connecting to its last byte (a server that drips one byte a second is cut off), a search gets ``deadline_s`` over
-all its attempts and waits, and a response over ``max_response_bytes`` is refused unread; passages are cut at
-``max_passage_chars`` and any text that is not valid Unicode (lone surrogates) is replaced, so what reaches the
-chat template is always text.
+Retrieval is :class:`~searchr1_trl.search_r1.retrieval.RetrievalClient`'s (one pooled, batching, retrying client
+per env); a search that fails gives the model an empty result and is counted in :meth:`SearchR1Env.metrics`.
 
 Malformed calls are answered, not raised: arguments that are not a JSON object with a non-empty string ``query``
 (whether they arrive as a dict or a JSON string) send nothing and get :data:`EMPTY_QUERY_MESSAGE`; a call of any
@@ -31,18 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import re
-import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
 
 from searchr1_trl.engine.rollout import EnvStep, MessageEnv
-
-logger = logging.getLogger(__name__)
+from searchr1_trl.search_r1.retrieval import RetrievalClient, RetrievalConfig, is_text, valid_text
 
 SEARCH_TOOL: dict = {
     "type": "function",
@@ -77,238 +61,12 @@ EMPTY_QUERY_MESSAGE = 'Error: search needs a non-empty string argument "query"; 
 
 
 @dataclass
-class SearchR1EnvConfig:
-    search_url: str = field(
-        default="http://127.0.0.1:8000/retrieve", metadata={"help": "URL of the retrieval server's /retrieve route."}
-    )
-    topk: int = field(default=3, metadata={"help": "Passages returned per search."})
-    timeout_s: float = field(
-        default=60.0, metadata={"help": "Time budget of one retrieval request, connect to last byte, in seconds."}
-    )
-    max_retries: int = field(
-        default=8, metadata={"help": "Retries of a failed retrieval request before the searches get empty results."}
-    )
-    retry_backoff_s: float = field(
-        default=0.5,
-        metadata={"help": "Wait before the first retry, doubled for every further retry up to max_backoff_s, in "
-                          "seconds (defaults: 39.5 s of waits over 8 retries, longer than a retriever restart)."},
-    )
-    max_backoff_s: float = field(default=8.0, metadata={"help": "Longest wait between two retries, in seconds."})
-    deadline_s: float = field(
-        default=180.0,
-        metadata={"help": "Longest one search may take, every attempt and wait included, in seconds; then it gets an "
-                          "empty result. Keep it below the rollout's step_timeout_s."},
-    )
-    max_response_bytes: int = field(
-        default=64 << 20, metadata={"help": "Largest retrieval response read; a larger one is a failed request."}
-    )
-    max_passage_chars: int = field(
-        default=4096, metadata={"help": "Characters of one passage kept in the tool message (wiki-18's are ~600)."}
-    )
+class SearchR1EnvConfig(RetrievalConfig):
     restate_question: bool = field(
         default=False,
         metadata={"help": "End every search result with the answer format and the question again (small models "
                           "lose the question behind long passages; off in the seed recipes)."},
     )
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def valid_text(text: str) -> str:
-    """``text`` with lone UTF-16 surrogates (JSON ``"\\ud800"``, valid JSON but no Unicode) replaced by U+FFFD, so
-    it can be encoded as UTF-8 by httpx and tokenizers. ``"a\\ud800b"`` -> ``"a\\ufffdb"``."""
-    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
-
-
-def is_text(text: str) -> bool:
-    """Whether ``text`` is valid Unicode (no lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _passages_to_string(docs: list[dict], max_chars: int | None = None) -> str:
-    """The passages as the model reads them, one per line, each cut at ``max_chars``.
-
-    ``[{"contents": "Eiffel Tower\\nA tower in Paris."}]`` -> ``"Doc 1(Title: Eiffel Tower) A tower in Paris."``
-    """
-    lines = []
-    for number, doc in enumerate(docs, start=1):
-        title, _, text = valid_text(doc["contents"][:max_chars]).partition("\n")
-        lines.append(f"Doc {number}(Title: {title}) {text}")
-    return "\n".join(lines)
-
-
-class ResponseTooLarge(ValueError):
-    """The retrieval server sent more than ``max_response_bytes``."""
-
-
-def _passages_per_query(body: Any, num_queries: int) -> list[list[dict]]:
-    """The ``result`` lists of a /retrieve response; ValueError naming what was expected if it has another shape."""
-    result = body.get("result") if isinstance(body, dict) else None
-    well_formed = isinstance(result, list) and len(result) == num_queries and all(
-        isinstance(docs, list) and all(isinstance(doc, dict) and isinstance(doc.get("contents"), str) for doc in docs)
-        for docs in result
-    )
-    if not well_formed:
-        raise ValueError(
-            f'expected {{"result": [[{{"contents": str}}, ...], ...]}} with {num_queries} lists, got {str(body)[:200]}'
-        )
-    return result
-
-
-def _retryable(error: Exception) -> bool:
-    """Whether sending the same request again may succeed: not when the server rejected it as a bad request."""
-    if isinstance(error, httpx.HTTPStatusError):
-        status = error.response.status_code
-        return status >= 500 or status == 429
-    return not isinstance(error, ResponseTooLarge)
-
-
-class RetrievalClient:
-    """Batched, retrying client of a Search-R1 retrieval server; see the module docstring."""
-
-    def __init__(self, config: SearchR1EnvConfig):
-        url = httpx.URL(config.search_url)
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError(f"search_url must be an http(s) URL such as http://127.0.0.1:8000/retrieve, "
-                             f"got {config.search_url!r}")
-        if (config.topk < 1 or min(config.timeout_s, config.deadline_s) <= 0 or config.max_retries < 0
-                or min(config.retry_backoff_s, config.max_backoff_s) < 0
-                or min(config.max_response_bytes, config.max_passage_chars) < 1):
-            raise ValueError(f"expected topk >= 1, timeout_s, deadline_s > 0, max_retries, retry_backoff_s, "
-                             f"max_backoff_s >= 0 and max_response_bytes, max_passage_chars >= 1, got "
-                             f"topk={config.topk}, timeout_s={config.timeout_s}, deadline_s={config.deadline_s}, "
-                             f"max_retries={config.max_retries}, retry_backoff_s={config.retry_backoff_s}, "
-                             f"max_backoff_s={config.max_backoff_s}, max_response_bytes={config.max_response_bytes}, "
-                             f"max_passage_chars={config.max_passage_chars}")
-        self.config = config
-        self._http: httpx.AsyncClient | None = None
-        self._http_loop: asyncio.AbstractEventLoop | None = None
-        self._pending: list[tuple[str, asyncio.Future[str]]] = []
-        self._requests_in_flight: set[asyncio.Task] = set()
-        self._counts: Counter[str] = Counter()
-
-    async def search(self, query: str) -> str:
-        """The top ``topk`` passages for ``query``, formatted for the model; "" if retrieval failed.
-
-        TypeError for a query that is not a str (a tool loop passing the model's arguments through unchecked): it
-        would otherwise fail the whole batch it joins."""
-        if not isinstance(query, str):
-            raise TypeError(f"search query must be a str, got {type(query).__name__}: {query!r:.200}")
-        loop = asyncio.get_running_loop()
-        if not self._pending:
-            # Flush on the next loop iteration, after every search issued in this one has joined the batch.
-            loop.call_soon(self._flush)
-        future: asyncio.Future[str] = loop.create_future()
-        self._pending.append((query, future))
-        self._counts["searches"] += 1
-        return await future
-
-    def _flush(self) -> None:
-        """Send every pending search as one request."""
-        batch, self._pending = self._pending, []
-        task = asyncio.get_running_loop().create_task(self._answer(batch))
-        self._requests_in_flight.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._requests_in_flight.discard)
-
-    async def _answer(self, batch: list[tuple[str, asyncio.Future[str]]]) -> None:
-        """Retrieve for a batch and resolve each search's future; identical queries are retrieved once."""
-        try:
-            queries = list(dict.fromkeys(query for query, _ in batch))
-            results = await self._retrieve(queries)
-        except Exception as error:  # a bug, not a retrieval failure: surface it in the rollouts instead of hanging them
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(error)
-            raise
-        if results is None:
-            self._counts["failures"] += len(batch)
-            results = [""] * len(queries)
-        by_query = dict(zip(queries, results, strict=True))
-        for query, future in batch:
-            if not future.done():  # done when the rollout waiting for it was cancelled
-                future.set_result(by_query[query])
-
-    async def _retrieve(self, queries: list[str]) -> list[str] | None:
-        """Formatted passages for each query, or None once every attempt has failed."""
-        # Encoded here, not by httpx: a query that is no valid text (a lone surrogate) would make httpx raise for
-        # the whole batch; valid_text makes it searchable as it would read.
-        body = json.dumps({"queries": [valid_text(q) for q in queries], "topk": self.config.topk,
-                           "return_scores": False}, ensure_ascii=False).encode()
-        http = self._client()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.deadline_s
-        last_error: Exception = TimeoutError(f"deadline_s={self.config.deadline_s} passed")
-        attempts = 0
-        for attempt in range(self.config.max_retries + 1):
-            if attempt:
-                backoff = min(self.config.retry_backoff_s * 2 ** (attempt - 1), self.config.max_backoff_s)
-                if loop.time() + backoff >= deadline:
-                    break
-                await asyncio.sleep(backoff)
-            self._counts["requests"] += 1
-            attempts += 1
-            start = time.perf_counter()
-            try:
-                async with asyncio.timeout(min(self.config.timeout_s, deadline - loop.time())):
-                    docs = _passages_per_query(json.loads(await self._post(http, body)), len(queries))
-                return [_passages_to_string(d, self.config.max_passage_chars) for d in docs]
-            # ValueError: body is not JSON, has another shape or is too large; TimeoutError: timeout_s or deadline_s
-            except (httpx.HTTPError, ValueError, TimeoutError) as error:
-                last_error = error
-                if not _retryable(error):
-                    break
-            finally:
-                self._counts["latency_s"] += time.perf_counter() - start
-        # Warn, don't raise, so one flaky retriever doesn't crash the rollouts; the failures are counted too.
-        logger.warning(
-            "retrieval of %d queries from %s failed after %d attempt(s): %r; those searches get empty results",
-            len(queries), self.config.search_url, attempts, last_error,
-        )
-        return None
-
-    async def _post(self, http: httpx.AsyncClient, body: bytes) -> bytes:
-        """The response body of one POST, read up to ``max_response_bytes``; raises for a 4xx/5xx status."""
-        headers = {"content-type": "application/json"}
-        async with http.stream("POST", self.config.search_url, content=body, headers=headers) as response:
-            response.raise_for_status()
-            declared = response.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > self.config.max_response_bytes:
-                raise ResponseTooLarge(f"{declared} bytes > max_response_bytes={self.config.max_response_bytes}")
-            received = bytearray()
-            async for chunk in response.aiter_bytes():
-                received += chunk
-                if len(received) > self.config.max_response_bytes:
-                    raise ResponseTooLarge(f"more than max_response_bytes={self.config.max_response_bytes}")
-            return bytes(received)
-
-    def _client(self) -> httpx.AsyncClient:
-        """The pooled HTTP client of the running event loop."""
-        loop = asyncio.get_running_loop()
-        if self._http is None or self._http_loop is not loop:
-            # Pooled connections belong to the loop that opened them; a new loop (another asyncio.run) needs its own.
-            self._http = httpx.AsyncClient(timeout=self.config.timeout_s)
-            self._http_loop = loop
-        return self._http
-
-    def metrics(self) -> dict[str, float]:
-        """Counters since the last call (reset on read)."""
-        counts, self._counts = self._counts, Counter()
-        return {
-            "search/searches": counts["searches"],
-            "search/requests": counts["requests"],
-            "search/failures": counts["failures"],
-            "search/request_latency_s": counts["latency_s"] / counts["requests"] if counts["requests"] else 0.0,
-        }
-
-    async def aclose(self) -> None:
-        if self._http is not None and self._http_loop is asyncio.get_running_loop():
-            await self._http.aclose()
-        self._http = self._http_loop = None
 
 
 def _query_from_arguments(arguments: dict | str | None) -> str:
