@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lower layers never import higher ones. A unit is a top-level module or a sub-package (a folder): modules of one
 # folder may import each other (the cycle test still applies); two units of one layer only where listed in SAME_LAYER.
 LAYERS = [
-    {"shapes", "assets", "processes", "vllm_server", "update"},  # leaves: no task, no loop
+    {"shapes", "assets", "processes", "vllm_server", "update", "weight_sync"},  # leaves: no task, no loop
     {"engine"},  # the generic multi-turn tool engine: rollout loop, parsing, generation backends
     {"search_r1"},  # the Search-R1 task: data, env, retrieval client, rubric
     {"warm_start"},  # scripted traces of the task, fine-tuned on before GRPO
@@ -24,7 +24,10 @@ LAYERS = [
     {"trainer"},  # the TRL trainer
     {"cli"},  # the console scripts
 ]
-SAME_LAYER: set[tuple[str, str]] = {("vllm_server", "processes")}  # the vLLM launcher runs it under a reaper
+SAME_LAYER: set[tuple[str, str]] = {
+    ("vllm_server", "processes"),  # the vLLM launcher runs it under a reaper
+    ("weight_sync", "vllm_server"),  # a reload push asks the server to load the folder
+}
 
 
 def imported(path: Path) -> set[str]:
