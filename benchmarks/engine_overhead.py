@@ -34,11 +34,12 @@ import time
 from pathlib import Path
 
 from benchmarks.report import report
-from benchmarks.rollout_throughput import free_port, workload
+from benchmarks.rollout_throughput import workload
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import require
 from searchr1_trl.engine.generation import Generation, Generator, SamplingParams, VLLMServerGenerator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
+from searchr1_trl.processes import free_port
 from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
 
 

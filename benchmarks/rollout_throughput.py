@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from searchr1_trl.engine.generation import (
 )
 from searchr1_trl.engine.parsing import response_parser
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
+from searchr1_trl.processes import free_port
 from searchr1_trl.search_r1.data import SearchR1Sample
 from searchr1_trl.search_r1.env import SEARCH_TOOL, SearchR1Env, SearchR1EnvConfig
 from searchr1_trl.search_r1.retrieval import RetrievalClient
@@ -86,12 +86,6 @@ class Result:
         return (f"{self.backend:<34} {r['rollouts_per_s']:8.3f} rollouts/s {r['generated_tokens_per_s']:9.1f} tokens/s"
                 f" {r['turns_per_rollout']:5.2f} turns {r['searches_per_rollout']:5.2f} searches per rollout"
                 f"   ({self.rollouts} rollouts, {self.generated_tokens} tokens, {self.seconds:.1f} s)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload(assets, num_questions: int, work: Path) -> tuple[list[SearchR1Sample], Path]:

@@ -60,7 +60,7 @@ from trl.models import unwrap_model_for_generation
 
 from searchr1_trl import evaluation
 from searchr1_trl.engine.generation import SamplingParams
-from searchr1_trl.engine.rollout import Rollout, RolloutEngine
+from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task
 from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1Sample
 from searchr1_trl.search_r1.env import SearchR1Env
@@ -251,10 +251,9 @@ class SearchR1Trainer(GRPOTrainer):
 
     def _log_rollouts(self, mode: str, rollouts: list[Rollout], seconds: float) -> None:
         metrics = self._metrics[mode]
-        statuses = Counter(r.status.value for r in rollouts)
-        for status in ("done", "truncated_max_turns", "truncated_prompt_too_long", "truncated_length",
-                       "error_parse", "error_timeout"):
-            metrics[f"rollout/status_{status}"].append(statuses[status] / len(rollouts))
+        statuses = Counter(r.status for r in rollouts)
+        for status in RolloutStatus:
+            metrics[f"rollout/status_{status.value}"].append(statuses[status] / len(rollouts))
         metrics["rollout/searches_per_rollout"].append(sum(r.num_tool_calls for r in rollouts) / len(rollouts))
         metrics["rollout/turns_per_rollout"].append(sum(r.num_turns for r in rollouts) / len(rollouts))
         metrics["rollout/generated_tokens"].append(sum(sum(r.env_mask) for r in rollouts))

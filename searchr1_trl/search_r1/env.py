@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 from searchr1_trl.engine.rollout import EnvStep, MessageEnv
 from searchr1_trl.search_r1.retrieval import RetrievalClient, RetrievalConfig, is_text, valid_text
 
+SEARCH_TOOL_NAME = "search"
+
 SEARCH_TOOL: dict = {
     "type": "function",
     "function": {
-        "name": "search",
+        "name": SEARCH_TOOL_NAME,
         "description": (
             "Search a Wikipedia-derived knowledge base and return the top passages for a query. "
             "Use it whenever you need external facts to answer the question."
@@ -118,9 +120,9 @@ class SearchR1Env(MessageEnv):
         name = function.get("name")
         # What the model wrote, as text the chat template can render (str() of deep nesting would recurse).
         shown = valid_text(name)[:200] if isinstance(name, str) else f"<{type(name).__name__}>"
-        if name != "search":
+        if name != SEARCH_TOOL_NAME:
             self._counts["unknown_tool_calls"] += 1
-            content = f'Error: unknown tool {shown!r}; the only tool is "search".'
+            content = f'Error: unknown tool {shown!r}; the only tool is "{SEARCH_TOOL_NAME}".'
         elif query := _query_from_arguments(function.get("arguments")):
             content = await self.retrieval.search(query)
             if content and restatement:

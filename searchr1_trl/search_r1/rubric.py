@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from searchr1_trl.engine.rollout import RolloutStatus
+from searchr1_trl.search_r1.env import SEARCH_TOOL_NAME
 
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -79,7 +80,7 @@ def token_f1(answer: str, gold: str) -> float:
 def _made_search_call(messages: Sequence[dict]) -> bool:
     """Whether any assistant message called the ``search`` tool."""
     return any(
-        (call.get("function") or {}).get("name") == "search"
+        (call.get("function") or {}).get("name") == SEARCH_TOOL_NAME
         for message in messages
         if message.get("role") == "assistant"
         for call in message.get("tool_calls") or []
@@ -92,7 +93,7 @@ def retrieval_surfaced_gold(messages: Sequence[dict], golds: set[str]) -> bool:
     ``{"ten"}`` is found in ``"Doc 1(Title: Ten) ten pins"`` but not in ``"Doc 1(Title: Tennis) tennis"``.
     """
     for message in messages:
-        if message.get("role") == "tool" and message.get("name") == "search":
+        if message.get("role") == "tool" and message.get("name") == SEARCH_TOOL_NAME:
             # Pad with spaces so the match is on whole words: " ten " is not inside " tennis ".
             passages = f" {normalize_answer(message.get('content') or '')} "
             if any(f" {gold} " in passages for gold in golds):
