@@ -327,6 +327,23 @@ def recipe_path(name: str) -> Path:
     return candidate
 
 
+def recipe_values(argv: list[str]) -> dict[str, Any]:
+    """Every field ``--config <recipe> [--field value ...]`` sets, typed by :func:`load_recipe`'s parser but not yet a
+    config: what the plan check reads first, since building the config runs ``TrainingArguments``' own checks (bf16
+    without a GPU fails there in a traceback that names neither the recipe nor what to run instead)."""
+    import yaml
+
+    argv = list(argv)
+    parser = TrlParser((SearchR1Config, ModelConfig))
+    if "--config" in argv:
+        i = argv.index("--config")
+        values = yaml.safe_load(recipe_path(argv[i + 1]).read_text()) or {}
+        values.pop("env", None)  # environment variables for the run, not fields
+        parser.set_defaults_with_config(**values)
+        del argv[i:i + 2]
+    return vars(parser.parse_known_args(argv)[0])
+
+
 def load_recipe(argv: list[str] | None = None) -> tuple[SearchR1Config, ModelConfig]:
     """``(args, model_args)`` from ``--config <recipe> [--field value ...]`` (``sys.argv`` when None), every asset
     path resolved for this machine."""

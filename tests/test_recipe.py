@@ -20,6 +20,7 @@ from searchr1_trl.recipe import (
     load_recipe,
     part_config,
     recipe_path,
+    recipe_values,
 )
 
 RECIPES = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
@@ -118,7 +119,15 @@ def test_a_gpu_recipe_on_a_machine_without_cuda_stops_in_one_line_naming_the_nee
         "`searchr1-train --config offline` (add --max_steps 1 for a smoke run), or force this recipe onto the CPU "
         "with --use_cpu true --bf16 false --weight_sync reload")
     check_machine("offline", {"bf16": False, "use_cpu": True})  # the CPU recipe's plan passes
-    check_machine(recipe, {"bf16": "true", "use_cpu": "true", "weight_sync": "reload"})  # forced onto the CPU
+    check_machine(recipe, recipe_values(["--config", recipe, "--use_cpu", "--bf16", "false", "--weight_sync=reload"]))
+    check_machine(recipe, {"bf16": True, "use_cpu": True, "weight_sync": "reload"})  # forced onto the CPU
+
+
+def test_recipe_values_are_the_yaml_with_the_command_line_on_top_typed_and_unchecked():
+    # bf16 on a machine without a GPU: TrainingArguments would refuse it; the values are read all the same.
+    values = recipe_values(["--config", "qwen3_8b", "--bf16=false", "--max_steps", "3", "--use_cpu"])
+    assert (values["bf16"], values["max_steps"], values["use_cpu"]) == (False, 3, True)
+    assert values["weight_sync"] == "nccl" and values["model_name_or_path"] == "Qwen/Qwen3-8B"  # from the YAML
 
 
 def test_train_help_names_the_shipped_recipes_then_every_field(capsys):
