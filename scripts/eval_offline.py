@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import shlex
 import subprocess
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 from retriever_server.launch import RetrieverProcess
-from searchr1_trl.assets import prepare
+from searchr1_trl.assets import corpus_slice, prepare
 from searchr1_trl.cli import eval as eval_cli
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
@@ -34,23 +33,6 @@ logger = logging.getLogger("eval_offline")
 # The offline recipes' env and rollout settings (configs/offline_gpu.yaml), so the agent is evaluated as it trains.
 AGENT_SETTINGS = ["--topk", "3", "--max_turns", "3", "--max_tokens_per_turn", "128", "--restate_question", "true",
                   "--bare_json_tool_calls", "true"]
-
-
-def corpus_slice(corpus: str, titles: set[str], distractors: int, out: Path) -> str:
-    """The passages of ``titles`` plus the first ``distractors`` Wikipedia leads, as a corpus JSONL."""
-    kept, leads = [], 0
-    with open(corpus) as f:
-        for line in f:
-            row = json.loads(line)
-            if row["contents"].split("\n", 1)[0] in titles:
-                kept.append(line)
-            elif leads < distractors and int(row["id"]) > 20957:  # Wikipedia leads follow the SQuAD paragraphs
-                kept.append(line)
-                leads += 1
-    path = out / "corpus.jsonl"
-    path.write_text("".join(kept))
-    logger.info("corpus slice: %d passages (%d articles + %d leads)", len(kept), len(titles), leads)
-    return str(path)
 
 
 def main() -> None:
@@ -83,8 +65,11 @@ def main() -> None:
 
     test = pd.read_parquet(assets.test_questions)
     titles = set(test[test["question"].isin(questions)]["title"])
-    corpus = assets.corpus if args.corpus == "full" else corpus_slice(assets.corpus, titles, args.distractors,
-                                                                      out / "data")
+    corpus = assets.corpus
+    if args.corpus == "slice":
+        corpus = str(out / "data" / "corpus.jsonl")
+        passages = corpus_slice(assets.corpus, titles, args.distractors, Path(corpus))
+        logger.info("corpus slice: %d passages (%d articles + leads)", passages, len(titles))
     index = out / "data" / "index.faiss"
     subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", corpus,
                     "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)

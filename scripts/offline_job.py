@@ -38,8 +38,8 @@ import pandas as pd
 import yaml
 
 from retriever_server.launch import RetrieverProcess
-from searchr1_trl.assets import prepare
-from searchr1_trl.generation import resolve_generator  # not recipe: the job needs no torch or trl
+from searchr1_trl.assets import corpus_slice, prepare
+from searchr1_trl.engine.generation import resolve_generator  # not recipe: the job needs no torch or trl
 from searchr1_trl.processes import run_reporting
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
@@ -57,23 +57,13 @@ def slice_data(assets, out: Path, train_articles: int, test_articles: int, distr
     titles = train_titles | test_titles
     train = train[train["title"].isin(train_titles)]
     test = test[test["title"].isin(test_titles)]
-    kept, leads = [], 0
-    with open(assets.corpus) as f:
-        for line in f:
-            row = json.loads(line)
-            title = row["contents"].split("\n", 1)[0]
-            if title in titles:
-                kept.append(line)
-            elif leads < distractors and int(row["id"]) > 20957:  # Wikipedia leads follow the SQuAD paragraphs
-                kept.append(line)
-                leads += 1
     paths = {"corpus": str(out / "corpus.jsonl"), "train": str(out / "train.parquet"),
              "test": str(out / "test.parquet")}
-    Path(paths["corpus"]).write_text("".join(kept))
+    passages = corpus_slice(assets.corpus, titles, distractors, Path(paths["corpus"]))
     train.to_parquet(paths["train"], index=False)
     test.to_parquet(paths["test"], index=False)
     logger.info("corpus slice: %d passages; %d train questions from %d articles, %d test questions from %d",
-                len(kept), len(train), train_articles, len(test), test_articles)
+                passages, len(train), train_articles, len(test), test_articles)
     return paths
 
 

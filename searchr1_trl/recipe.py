@@ -5,9 +5,9 @@ overrides: TRL's ``GRPOConfig`` with the seed recipe's defaults (DAPO loss with 
 KL and no reference model, group std-normalised advantages, AdamW at lr 1e-6 with 2 warmup steps then constant,
 8 prompts x 8 generations per optimizer step, temperature 1.0, top_p 1.0, 512 tokens per turn), plus one flat field
 per knob of the task's parts. A flat field is declared with :func:`knob`, which takes its default and help text from
-the part's own config (``search_timeout_s`` is :class:`~searchr1_trl.env.SearchR1EnvConfig`'s ``timeout_s``), so
-every default is written once, beside the code it configures, and :data:`KNOBS` says which part each flat field
-sets.
+the part's own config (``search_timeout_s`` is :class:`~searchr1_trl.search_r1.env.SearchR1EnvConfig`'s
+``timeout_s``), so every default is written once, beside the code it configures, and :data:`KNOBS` says which part
+each flat field sets.
 :func:`build_task` is the only place that turns the flat config into parts (torchtitan's ``rollouter.py`` is the
 model): the question streams, the environment, the rollout budgets, the sampling of training turns, the rubric and
 the generator.
@@ -34,9 +34,7 @@ from trl import GRPOConfig, ModelConfig, TrlParser
 
 from searchr1_trl.assets import resolve_path
 from searchr1_trl.collapse_guard import CollapseGuardConfig
-from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
-from searchr1_trl.env import SearchR1Env, SearchR1EnvConfig
-from searchr1_trl.generation import (
+from searchr1_trl.engine.generation import (
     Generator,
     SamplingParams,
     TransformersGenerator,
@@ -46,8 +44,10 @@ from searchr1_trl.generation import (
     end_token_ids,
     resolve_generator,
 )
-from searchr1_trl.rollout import RolloutConfig
-from searchr1_trl.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
+from searchr1_trl.engine.rollout import RolloutConfig
+from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
+from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
 from searchr1_trl.warm_start import WarmStartConfig
 
 logger = logging.getLogger(__name__)
@@ -358,6 +358,23 @@ def recipe_path(name: str) -> Path:
         known = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
         raise ValueError(f"recipe {name!r} is neither a file nor one of the shipped recipes ({CONFIGS}): {known}")
     return candidate
+
+
+def recipe_values(argv: list[str]) -> dict[str, Any]:
+    """Every field ``--config <recipe> [--field value ...]`` sets, typed by :func:`load_recipe`'s parser but not yet a
+    config: what the plan check reads first, since building the config runs ``TrainingArguments``' own checks (bf16
+    without a GPU fails there in a traceback that names neither the recipe nor what to run instead)."""
+    import yaml
+
+    argv = list(argv)
+    parser = TrlParser((SearchR1Config, ModelConfig))
+    if "--config" in argv:
+        i = argv.index("--config")
+        values = yaml.safe_load(recipe_path(argv[i + 1]).read_text()) or {}
+        values.pop("env", None)  # environment variables for the run, not fields
+        parser.set_defaults_with_config(**values)
+        del argv[i:i + 2]
+    return vars(parser.parse_known_args(argv)[0])
 
 
 def load_recipe(argv: list[str] | None = None) -> tuple[SearchR1Config, ModelConfig]:

@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from searchr1_trl import evaluation
-from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
 from searchr1_trl.recipe import knob_fields, part_config
+from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
 
 # The recipe's env, rollout and per-turn fields, with its names, defaults and help: the agent runs as it trained.
 PolicyConfig = knob_fields("PolicyConfig", ("env", "rollout", "sampling"))
