@@ -45,7 +45,7 @@ from searchr1_trl.engine.generation import (
 )
 from searchr1_trl.engine.rollout import RolloutConfig
 from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
-from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.search_r1.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
 from searchr1_trl.warm_start import WarmStartConfig
 
@@ -276,7 +276,7 @@ class SearchR1Task:
 
     train_stream: SearchR1Dataset
     eval_samples: list[SearchR1Sample]  # [] when the recipe never validates
-    env: SearchR1Env
+    envs: SearchR1EnvFactory  # one env per rollout
     rollout: RolloutConfig
     sampling: SamplingParams  # of training turns; validation is greedy with the same max_tokens
     rubric: Rubric
@@ -306,7 +306,7 @@ def build_task(args: SearchR1Config) -> SearchR1Task:
     return SearchR1Task(
         train_stream=SearchR1Dataset(part_config(args, "train_stream")),
         eval_samples=SearchR1Dataset(eval_stream).take(args.eval_num_samples) if validates else [],
-        env=SearchR1Env(part_config(args, "env")),
+        envs=SearchR1EnvFactory(part_config(args, "env")),
         rollout=part_config(args, "rollout"),
         sampling=replace(part_config(args, "sampling"), temperature=args.temperature, top_p=args.top_p),
         rubric=rubric,

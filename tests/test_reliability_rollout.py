@@ -20,7 +20,7 @@ from searchr1_trl.engine.generation import Generation, Generator, SamplingParams
 from searchr1_trl.engine.parsing import response_parser
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine, RolloutStatus
 from searchr1_trl.search_r1.data import SearchR1Sample
-from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 
 GOOD_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "Super Bowl 50 winner"}}\n</tool_call>'
 F1_SHAPES = {
@@ -58,7 +58,7 @@ class ScriptedGenerator(Generator):
         return Generation(ids, [-0.1] * len(ids), "stop")
 
 
-def run(tokenizer, env: SearchR1Env, first: list[str]):
+def run(tokenizer, env: SearchR1EnvFactory, first: list[str]):
     """Rollouts of questions q0..qN whose first turns are ``first``, all at once."""
     engine = RolloutEngine(tokenizer, ScriptedGenerator(tokenizer, first), env,
                            RolloutConfig(max_turns=2, max_rollout_tokens=32768, bare_json_tool_calls=True))
@@ -84,7 +84,7 @@ READ_AS_ANSWER_OR_ANSWERED = {"bare JSON, 990 nested", "bare JSON, 5,000 digits"
 def test_a_malformed_turn_ends_only_its_own_rollout_and_costs_no_other_search(tokenizer, retriever_url, shape,
                                                                               reliability_figures):
     turn = {**F1_SHAPES, **F2_SHAPES}[shape]
-    env = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url))
+    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url))
 
     rollouts = run(tokenizer, env, [turn] + [GOOD_CALL] * 7)
 
@@ -99,8 +99,8 @@ def test_a_malformed_turn_ends_only_its_own_rollout_and_costs_no_other_search(to
                                                                             for r in rollouts[1:])}
 
 
-class InProcessEnv(SearchR1Env):
-    """The Search-R1 environment with searches answered in-process (the property test runs 10,000 completions)."""
+class InProcessEnv(SearchR1EnvFactory):
+    """The Search-R1 environments with searches answered in-process (the property test runs 10,000 completions)."""
 
     def __init__(self):
         super().__init__(SearchR1EnvConfig())
@@ -135,6 +135,13 @@ completion = st.one_of(
 USER = {"role": "user", "content": "Question: q"}
 
 
+async def one_step(envs: SearchR1EnvFactory, message: dict):
+    """The answer to ``message`` as the first turn of its own rollout of the question "q"."""
+    env = envs()
+    env.reset(SearchR1Sample(question="q", golden_answers=("Paris",)))
+    return await env.step([USER, message])
+
+
 @pytest.mark.slow  # 10,000 completions through the tokenizer and chat template: about a minute
 def test_ten_thousand_fuzzed_completions_parse_step_and_render_without_raising(tokenizer, reliability_figures):
     """Property: any turn either fails to parse (the rollout's ERROR_PARSE) or gives a message the environment
@@ -156,7 +163,7 @@ def test_ten_thousand_fuzzed_completions_parse_step_and_render_without_raising(t
             parsed = [m for m in messages if m is not None]
 
             async def steps():
-                return await asyncio.gather(*(env.step([USER, m]) for m in parsed))
+                return await asyncio.gather(*(one_step(env, m) for m in parsed))
 
             for message, step in zip(parsed, asyncio.run(steps()), strict=True):
                 tokenizer.apply_chat_template([USER, message, *step.messages], tools=tools, tokenize=True,
