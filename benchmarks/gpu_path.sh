@@ -11,7 +11,7 @@
 #   bash benchmarks/gpu_path.sh beat_rag <gpu> <seed> [recipe flags]  # offline_gpu on one GPU, warm start + GRPO
 #   bash benchmarks/gpu_path.sh eval_table <gpu> <name> <checkpoint>...  # direct / rag / agent, 500 seeded questions
 #   bash benchmarks/gpu_path.sh performance    # one GPU, ~8 min: the retriever vs the one-request-at-a-time reference
-#                                              # on this host, its stages, and the policy update's MFU (issue 15)
+#                                              # on this host, its stages, and the policy update's MFU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source /root/searchr1_env.sh

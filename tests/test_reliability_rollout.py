@@ -1,4 +1,4 @@
-"""Reliability of the rollout path (issue 13, F1 and F2): a malformed turn ends only its own rollout, as
+"""Reliability of the rollout path: a malformed turn ends only its own rollout, as
 ``ERROR_PARSE``, and never reaches the environment, the chat template or another rollout's search.
 
 Turns go through the real path: the Qwen2.5 tokenizer, its response parser (searchr1_trl.engine.parsing), the Search-R1
@@ -23,7 +23,7 @@ from searchr1_trl.search_r1.data import SearchR1Sample
 from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 
 GOOD_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "Super Bowl 50 winner"}}\n</tool_call>'
-F1_SHAPES = {
+SURROGATE_SHAPES = {
     "surrogate in the query":
         '<tool_call>\n{"name": "search", "arguments": {"query": "Notre Dame \\ud800"}}\n</tool_call>',
     "surrogate in the tool name": '<tool_call>\n{"name": "se\\udc00arch", "arguments": {"query": "x"}}\n</tool_call>',
@@ -31,7 +31,7 @@ F1_SHAPES = {
                                      '\n</tool_call>',
     "bare JSON call with a surrogate": '{"name": "search", "arguments": {"query": "\\udfff"}}',
 }
-F2_SHAPES = {
+DEEP_SHAPES = {
     "990 nested arrays": '<tool_call>\n{"name": "search", "arguments": {"query": ' + "[" * 990 + "]" * 990
                          + '}}\n</tool_call>',
     "990 nested arrays, unclosed": "<tool_call>\n" + "[" * 990 + "\n</tool_call>",
@@ -80,10 +80,10 @@ READ_AS_ANSWER_OR_ANSWERED = {"bare JSON, 990 nested", "bare JSON, 5,000 digits"
 
 
 @pytest.mark.slow  # starts or uses the real retrieval server
-@pytest.mark.parametrize("shape", [*F1_SHAPES, *F2_SHAPES])
+@pytest.mark.parametrize("shape", [*SURROGATE_SHAPES, *DEEP_SHAPES])
 def test_a_malformed_turn_ends_only_its_own_rollout_and_costs_no_other_search(tokenizer, retriever_url, shape,
                                                                               reliability_figures):
-    turn = {**F1_SHAPES, **F2_SHAPES}[shape]
+    turn = {**SURROGATE_SHAPES, **DEEP_SHAPES}[shape]
     env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url))
 
     rollouts = run(tokenizer, env, [turn] + [GOOD_CALL] * 7)
