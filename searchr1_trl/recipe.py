@@ -119,7 +119,7 @@ class SearchR1Config(GRPOConfig):
     save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept on disk."})
     logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
 
-    # --- policy-update throughput (searchr1_trl/update.py); TRL's own: use_liger_kernel, optim, bf16 ---
+    # --- policy-update throughput (searchr1_trl/update.py); TRL's own: optim, bf16 ---
     fp32_master_weights: bool = field(
         default=False,
         metadata={"help": "With a model loaded in bfloat16 (dtype: bfloat16): the optimizer keeps fp32 copies of the "

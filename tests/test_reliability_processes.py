@@ -23,7 +23,7 @@ import pytest
 from searchr1_trl.processes import free_port, run_reporting
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER_COMMANDS = re.compile(r"(trl vllm-serve|searchr1-retriever) ")
+SERVER_COMMANDS = re.compile(r"(trl vllm-serve|vllm serve|searchr1-retriever) ")
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
