@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU production path as run on an nvidia-h200-x2 machine (docs/results/README.md, "GPU production path"), after
+# The GPU production path as run on an nvidia-h200-x2 machine (docs/results/history.md, "GPU production path"), after
 # `bash scripts/gpu_setup.sh <pieces>` there. Each step writes under $RUNS (default /root/runs) and is one command:
 # EAGER=1 bash benchmarks/gpu_path.sh learn_x2: servers without CUDA graphs.
 #   bash benchmarks/gpu_path.sh sync_checks    # vLLM 0.26 on GPU 0 and 1; NCCL push (trainer GPU 1 -> server GPU 0)
