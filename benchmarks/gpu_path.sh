@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU production path as run on an nvidia-h200-x2 machine (docs/results/README.md, "GPU production path"), after
+# The GPU production path as run on an nvidia-h200-x2 machine (docs/results/history.md, "GPU production path"), after
 # `bash scripts/gpu_setup.sh <pieces>` there. Each step writes under $RUNS (default /root/runs) and is one command:
 # EAGER=1 bash benchmarks/gpu_path.sh learn_x2: servers without CUDA graphs.
 #   bash benchmarks/gpu_path.sh sync_checks    # vLLM 0.26 on GPU 0 and 1; NCCL push (trainer GPU 1 -> server GPU 0)
@@ -11,7 +11,7 @@
 #   bash benchmarks/gpu_path.sh beat_rag <gpu> <seed> [recipe flags]  # offline_gpu on one GPU, warm start + GRPO
 #   bash benchmarks/gpu_path.sh eval_table <gpu> <name> <checkpoint>...  # direct / rag / agent, 500 seeded questions
 #   bash benchmarks/gpu_path.sh performance    # one GPU, ~8 min: the retriever vs the one-request-at-a-time reference
-#                                              # on this host, its stages, and the policy update's MFU (issue 15)
+#                                              # on this host, its stages, and the policy update's MFU
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source /root/searchr1_env.sh

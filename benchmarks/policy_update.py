@@ -5,7 +5,7 @@ plus in-process generation throughput. Prints one JSON line per measurement (and
     python -m benchmarks.policy_update --model Qwen/Qwen3-8B --batch 4 --seq 2048 --activation_checkpointing
     # the levers (searchr1_trl/update.py and TRL's own), one flag each:
     python -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --dtype bfloat16 --fp32_master_weights \
-        --padding_free --ragged --use_liger_kernel --compile_layers
+        --padding_free --ragged --compile_layers
     # the offline recipe's update: its 0.5B model, 8 micro-batches of 8 rollouts per optimizer step
     python -m benchmarks.policy_update --model PATH/Qwen2.5-Coder-0.5B-Instruct --batch 8 --accumulation 8 \
         --seq 1024 --ragged

@@ -7,7 +7,7 @@ waited ``max_wait_ms``, runs the batch in a background thread (``search_threads`
 hands each request its own slice of the results. Under load the queue refills while a batch runs, so later batches
 form without waiting at all.
 
-Three rules keep one request from costing the others (issue 13, F3 and F5):
+Three rules keep one request from costing the others:
 
 - **A big request is served in slices, after newcomers.** Requests that have had nothing yet fill a batch; a
   partly served request continues in a batch of its own when no newcomer waits (under load such gaps open after

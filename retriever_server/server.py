@@ -7,7 +7,7 @@
     GET /metrics    Prometheus text: requests, queries, batches, batch sizes, latency percentiles, rejections
 
 It is a drop-in replacement for Search-R1's ``retrieval_server.py`` (same flags, same JSON), made safe to share
-between thousands of model-written queries (issue 13):
+between thousands of model-written queries:
 
 - every rejection is a 4xx whose ``detail`` starts with the field it is about (``queries[3]: ...``), including bodies
   nested too deep for the JSON parser and integers too long to convert; nothing reaches a bare 500, an unexpected
@@ -30,7 +30,7 @@ if __name__ == "__main__":
     # torch and faiss each bring an OpenMP runtime whose threads spin after every parallel region (a few ms, per
     # thread) before they sleep. Between the requests of a single client that kept ~8 of 16 cores busy for nothing on
     # an H200 host, and on a machine shared with vLLM and the trainer it takes their cores; PASSIVE threads sleep at
-    # once (issue 15: server CPU /5 and p50 -20% there; on 2 cores one single-query client waits 2x longer, a
+    # once (server CPU /5 and p50 -20% there; on 2 cores one single-query client waits 2x longer, a
     # 64-query request 3%). Read when the runtimes load, so before the imports below; a value already set wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -46,7 +46,7 @@ from searchr1_trl.engine.generation import (
 )
 from searchr1_trl.engine.rollout import RolloutConfig
 from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
-from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.search_r1.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
 from searchr1_trl.warm_start import WarmStartConfig
 
@@ -121,7 +121,7 @@ class SearchR1Config(GRPOConfig):
     save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept on disk."})
     logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
 
-    # --- policy-update throughput (searchr1_trl/update.py); TRL's own: use_liger_kernel, optim, bf16 ---
+    # --- policy-update throughput (searchr1_trl/update.py); TRL's own: optim, bf16 ---
     fp32_master_weights: bool = field(
         default=False,
         metadata={"help": "With a model loaded in bfloat16 (dtype: bfloat16): the optimizer keeps fp32 copies of the "
@@ -302,7 +302,7 @@ class SearchR1Task:
 
     train_stream: SearchR1Dataset
     eval_samples: list[SearchR1Sample]  # [] when the recipe never validates
-    env: SearchR1Env
+    envs: SearchR1EnvFactory  # one env per rollout
     rollout: RolloutConfig
     sampling: SamplingParams  # of training turns; validation is greedy with the same max_tokens
     rubric: Rubric
@@ -339,7 +339,7 @@ def build_task(args: SearchR1Config) -> SearchR1Task:
         train_stream=SearchR1Dataset(part_config(args, "train_stream")),
         eval_samples=held_out[:args.eval_num_samples],
         report_samples=held_out[args.eval_num_samples:],
-        env=SearchR1Env(part_config(args, "env")),
+        envs=SearchR1EnvFactory(part_config(args, "env")),
         rollout=part_config(args, "rollout"),
         sampling=replace(part_config(args, "sampling"), temperature=args.temperature, top_p=args.top_p),
         rubric=rubric,

@@ -8,8 +8,10 @@ What this subclass decides, and nothing more:
   :data:`CHECKPOINT_COMPLETE_FILE` marker last, and older checkpoints are rotated away only after the marker, so a
   kill at any moment leaves a complete checkpoint; ``resume_from_checkpoint=True`` takes the newest complete one.
 - **Rollouts** go through TRL's ``rollout_func`` hook: the generic :class:`~searchr1_trl.engine.rollout.RolloutEngine`
-  drives :class:`~searchr1_trl.search_r1.env.SearchR1Env`; the returned ``env_mask`` keeps tool tokens out of the loss.
-- **Rewards** are the :class:`~searchr1_trl.search_r1.rubric.Rubric`, a plain TRL reward function.
+  drives one :class:`~searchr1_trl.search_r1.env.SearchR1Env` per rollout, built for that row's sample; the returned
+  ``env_mask`` keeps tool tokens out of the loss.
+- **Rewards** are the :class:`~searchr1_trl.search_r1.rubric.Rubric`, a plain TRL reward function that scores each
+  rollout (handed on by ``rollout_func``) from its own sample.
 - **Generator weights** are pushed once per optimizer step, before its rollouts or a validation, by the
   :mod:`searchr1_trl.weight_sync` push the recipe names (TRL's NCCL path or a safetensors folder the vLLM server
   reloads). The in-process generator (``generator="transformers"``) uses the live model, no sync.
@@ -32,6 +34,7 @@ fails, naming the entry, when the installed versions are not the pinned ones or 
 
 - ``trl.GRPOTrainer._get_per_token_logps_and_entropies``: overridden, packs the rows for ``padding_free``.
 - ``trl.GRPOTrainer._generate``: overridden, pushes the weights first, so TRL's own NCCL push finds them loaded.
+- ``trl.GRPOTrainer._generate_and_score_completions``: overridden, reads each row's sample for ``rollout_func``.
 - ``transformers.Trainer._save_checkpoint``: overridden, stream state first, completeness marker last, rotation after.
 - ``trl.GRPOTrainer._generate_and_score_completions``: overridden, drops groups without reward spread
   (``drop_equal_reward_groups``) from the loss mask and the token count it returns.
@@ -67,11 +70,10 @@ from trl.models import unwrap_model_for_generation
 
 from searchr1_trl import evaluation
 from searchr1_trl.collapse_guard import CollapseGuard
-from searchr1_trl.engine.generation import SamplingParams
 from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task, part_config
 from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1Sample
-from searchr1_trl.search_r1.env import SearchR1Env
+from searchr1_trl.search_r1.env import SearchR1EnvFactory
 from searchr1_trl.update import packed_forward, with_fp32_master_weights
 from searchr1_trl.weight_sync import weight_push
 
@@ -82,13 +84,9 @@ CHECKPOINT_COMPLETE_FILE = "searchr1_checkpoint_complete"  # written last: the c
 MAX_CONSECUTIVE_NONFINITE_STEPS = 3
 
 
-def _row(sample: SearchR1Sample, env: SearchR1Env) -> dict:
-    return {
-        "prompt": env.initial_messages(sample),
-        "question": sample.question,
-        "golden_answers": list(sample.golden_answers),
-        "data_source": sample.data_source,
-    }
+def _row(sample: SearchR1Sample, envs: SearchR1EnvFactory) -> dict:
+    """A training row: the sample's columns, and the prompt its env starts from (TRL requires one per row)."""
+    return {"prompt": envs().reset(sample), **sample.as_row()}
 
 
 class QuestionBatches:
@@ -99,9 +97,9 @@ class QuestionBatches:
     but from a stream whose position is exactly the number of optimizer steps taken, so it can be checkpointed.
     """
 
-    def __init__(self, stream: SearchR1Dataset, env: SearchR1Env, args: SearchR1Config, process_index: int,
+    def __init__(self, stream: SearchR1Dataset, envs: SearchR1EnvFactory, args: SearchR1Config, process_index: int,
                  num_processes: int):
-        self.stream, self.env = stream, env
+        self.stream, self.envs = stream, envs
         self.questions_per_step = args.generation_batch_size // args.num_generations
         self.num_generations = args.num_generations
         self.repeats = args.steps_per_generation * args.num_iterations
@@ -110,7 +108,7 @@ class QuestionBatches:
     def __iter__(self):
         while True:
             samples = [next(self.stream) for _ in range(self.questions_per_step)]
-            rows = [_row(s, self.env) for s in samples for _ in range(self.num_generations)]
+            rows = [_row(s, self.envs) for s in samples for _ in range(self.num_generations)]
             per_process = len(rows) // self.num_processes
             local = rows[self.process_index * per_process:(self.process_index + 1) * per_process]
             for _ in range(self.repeats):
@@ -159,12 +157,13 @@ class SearchR1Trainer(GRPOTrainer):
     def __init__(self, model, args: SearchR1Config, processing_class=None, peft_config=None,
                  task: SearchR1Task | None = None, reward_funcs: list | None = None, **kwargs):
         self.task = task or build_task(args)
-        self.train_stream, self.eval_samples, self.env = self.task.train_stream, self.task.eval_samples, self.task.env
+        self.train_stream, self.eval_samples, self.envs = self.task.train_stream, self.task.eval_samples, self.task.envs
+        self._batch_samples: list[SearchR1Sample] = []  # of the rows being rolled out, in order
         self._loop: asyncio.AbstractEventLoop | None = None
         self._synced_step = -1
         # TRL requires a dataset object; this one describes the stream, the real batches come from QuestionBatches.
         train_dataset = datasets.IterableDataset.from_generator(lambda: iter(()))
-        eval_dataset = datasets.Dataset.from_list([_row(s, self.env) for s in self.eval_samples]) or None
+        eval_dataset = datasets.Dataset.from_list([_row(s, self.envs) for s in self.eval_samples]) or None
         super().__init__(
             model=model, reward_funcs=reward_funcs or [self.task.rubric], args=args, train_dataset=train_dataset,
             eval_dataset=eval_dataset if len(self.eval_samples) else None, processing_class=processing_class,
@@ -176,7 +175,7 @@ class SearchR1Trainer(GRPOTrainer):
             self.collapse_guard = CollapseGuard(part_config(args, "collapse_guard"))
             self.add_callback(self.collapse_guard)
         self.engine = RolloutEngine(self.processing_class, self.task.generator(self.model, self.processing_class),
-                                    self.env, self.task.rollout)
+                                    self.envs, self.task.rollout)
         self.weight_push = (weight_push(args, self.accelerator, getattr(self, "vllm_generation", None))
                             if args.generator == "vllm" else None)
 
@@ -244,14 +243,11 @@ class SearchR1Trainer(GRPOTrainer):
         finally:
             try:
                 self._loop.run_until_complete(self.engine.generator.aclose())
-                self._loop.run_until_complete(self.env.aclose())
+                self._loop.run_until_complete(self.envs.aclose())
             finally:
                 self._loop.close()
                 self._loop = None
 
-    def _run_rollouts(self, prompts: list[list[dict]], params: SamplingParams) -> list[Rollout]:
-        """Roll out every prompt concurrently."""
-        return self._run_on_generator(self.engine.run_messages(prompts, params))
 
     def _run_on_generator(self, coroutine):
         """Run a coroutine that generates on the rollout loop; the in-process generator needs the full (ZeRO-3
@@ -263,11 +259,21 @@ class SearchR1Trainer(GRPOTrainer):
                     return loop.run_until_complete(coroutine)
             return loop.run_until_complete(coroutine)
 
+    def _generate_and_score_completions(self, inputs):
+        # Extends GRPOTrainer._generate_and_score_completions (TRL 1.16), which hands rollout_func only the prompts:
+        # each rollout gets its own row's sample, as TRL's environment_factory gets reset(**row).
+        self._batch_samples = [SearchR1Sample.from_row(row) for row in inputs]
+        return super()._generate_and_score_completions(inputs)
+
     def _rollout_func(self, prompts: list[list[dict]], trainer) -> dict:
-        """TRL's rollout hook: multi-turn rollouts for this process's prompts, plus what the rubric and logs need."""
+        """TRL's rollout hook: one multi-turn rollout per row of this process's batch, each in an env built for its
+        sample, plus what the rubric and logs need."""
+        if len(self._batch_samples) != len(prompts):
+            raise ValueError(f"rollout_func got {len(prompts)} prompts for {len(self._batch_samples)} rows; TRL no "
+                             f"longer hands it one prompt per row (SearchR1Trainer relies on TRL 1.16's layout)")
         mode = "train" if self.model.training else "eval"
         start = time.perf_counter()
-        rollouts = self._run_rollouts(prompts, self.task.sampling)
+        rollouts = self._run_on_generator(self.engine.run(self._batch_samples, self.task.sampling))
         self._log_rollouts(mode, rollouts, time.perf_counter() - start)
         return {
             "prompt_ids": [r.prompt_ids for r in rollouts],
@@ -277,6 +283,7 @@ class SearchR1Trainer(GRPOTrainer):
             "messages": [r.messages for r in rollouts],
             "status": [r.status.value for r in rollouts],
             "num_tool_calls": [r.num_tool_calls for r in rollouts],
+            "rollout": rollouts,  # the rubric scores each from its own sample
         }
 
     def _log_rollouts(self, mode: str, rollouts: list[Rollout], seconds: float) -> None:
@@ -288,7 +295,7 @@ class SearchR1Trainer(GRPOTrainer):
         metrics["rollout/turns_per_rollout"].append(sum(r.num_turns for r in rollouts) / len(rollouts))
         metrics["rollout/generated_tokens"].append(sum(sum(r.env_mask) for r in rollouts))
         metrics["rollout/time_s"].append(seconds)
-        for key, value in self.env.metrics().items():
+        for key, value in self.envs.metrics().items():
             metrics[key].append(value)
 
     def _generate(self, prompts):
@@ -358,7 +365,7 @@ class SearchR1Trainer(GRPOTrainer):
     # ---- data, checkpoint and resume ---------------------------------------------------------------------------
 
     def get_train_dataloader(self):
-        return QuestionBatches(self.train_stream, self.env, self.args, self.accelerator.process_index,
+        return QuestionBatches(self.train_stream, self.envs, self.args, self.accelerator.process_index,
                                self.accelerator.num_processes)
 
     def _save_checkpoint(self, model, trial):
