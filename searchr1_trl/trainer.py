@@ -211,9 +211,12 @@ class SearchR1Trainer(GRPOTrainer):
                 torch.stack(aux_losses).mean() if compute_aux_loss else None)
 
     def _generate_and_score_completions(self, inputs):
-        # Extends GRPOTrainer._generate_and_score_completions (TRL 1.16): with drop_equal_reward_groups, a group whose
-        # advantages are all ~0 (equal rewards; TRL divides by std + 1e-4, so float noise stays far below 0.01 while
-        # a group with spread has |advantage| ~1) leaves the loss mask and the DAPO token count.
+        # Extends GRPOTrainer._generate_and_score_completions (TRL 1.16), which hands rollout_func only the prompts:
+        # each rollout gets its own row's sample, as TRL's environment_factory gets reset(**row). With
+        # drop_equal_reward_groups, a group whose advantages are all ~0 (equal rewards; TRL divides by std + 1e-4, so
+        # float noise stays far below 0.01 while a group with spread has |advantage| ~1) leaves the loss mask and the
+        # DAPO token count.
+        self._batch_samples = [SearchR1Sample.from_row(row) for row in inputs]
         output = super()._generate_and_score_completions(inputs)
         if not (self.args.drop_equal_reward_groups and self.model.training):
             return output
@@ -248,7 +251,6 @@ class SearchR1Trainer(GRPOTrainer):
                 self._loop.close()
                 self._loop = None
 
-
     def _run_on_generator(self, coroutine):
         """Run a coroutine that generates on the rollout loop; the in-process generator needs the full (ZeRO-3
         gathered) model."""
@@ -258,12 +260,6 @@ class SearchR1Trainer(GRPOTrainer):
                     self.engine.generator.model = unwrapped
                     return loop.run_until_complete(coroutine)
             return loop.run_until_complete(coroutine)
-
-    def _generate_and_score_completions(self, inputs):
-        # Extends GRPOTrainer._generate_and_score_completions (TRL 1.16), which hands rollout_func only the prompts:
-        # each rollout gets its own row's sample, as TRL's environment_factory gets reset(**row).
-        self._batch_samples = [SearchR1Sample.from_row(row) for row in inputs]
-        return super()._generate_and_score_completions(inputs)
 
     def _rollout_func(self, prompts: list[list[dict]], trainer) -> dict:
         """TRL's rollout hook: one multi-turn rollout per row of this process's batch, each in an env built for its
