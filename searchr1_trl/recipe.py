@@ -140,6 +140,11 @@ class SearchR1Config(GRPOConfig):
                           "log-prob forward/backward; needs an attention that reads packed position ids (sdpa, eager, "
                           "flex_attention, flash_attention_2). Same loss, less padding compute."},
     )
+    compile_layers: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each decoder layer in place (searchr1_trl/update.py): same loss, the first "
+                          "steps compile. H200, seq 2048: update MFU 0.38 -> 0.58 (Qwen3-1.7B), 0.55 -> 0.69 (8B)."},
+    )
 
     # --- inherited GRPO fields the trainer owns ---
     use_vllm: bool | None = _owned("from generator and weight_sync")

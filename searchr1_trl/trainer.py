@@ -14,9 +14,10 @@ What this subclass decides, and nothing more:
   :mod:`searchr1_trl.weight_sync` push the recipe names (TRL's NCCL path or a safetensors folder the vLLM server
   reloads). The in-process generator (``generator="transformers"``) uses the live model, no sync.
 - **Validation** is greedy rollouts over a fixed held-out slice, logged as EM overall and per data source.
-- **Two throughput levers of the policy update** (:mod:`searchr1_trl.update`, both off by default):
-  ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer) and ``padding_free`` (rollouts packed without
-  padding for the log-prob forward); the loss, tool tokens masked, is TRL's either way.
+- **Three throughput levers of the policy update** (:mod:`searchr1_trl.update`, all off by default):
+  ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer), ``padding_free`` (rollouts packed without
+  padding for the log-prob forward) and ``compile_layers`` (each decoder layer ``torch.compile``-d in place); the
+  loss, tool tokens masked, is TRL's either way.
 - **The saved model is the best validated one** (:mod:`searchr1_trl.collapse_guard`): a collapse stops training and
   it ends on the best checkpoint by validation EM, step 0 included; ``report_num_samples`` questions disjoint from
   the validation sample are evaluated beside it, as the figure to report.
@@ -69,7 +70,7 @@ from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task, part_config
 from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1Sample
 from searchr1_trl.search_r1.env import SearchR1Env
-from searchr1_trl.update import packed_forward, with_fp32_master_weights
+from searchr1_trl.update import compile_decoder_layers, packed_forward, with_fp32_master_weights
 from searchr1_trl.weight_sync import weight_push
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,8 @@ class SearchR1Trainer(GRPOTrainer):
             peft_config=peft_config, rollout_func=self._rollout_func, **kwargs,
         )
         self.add_callback(NonFiniteGradientGuard(self._metrics["train"]))
+        if args.compile_layers:
+            compile_decoder_layers(self.model)
         self.collapse_guard = None
         if args.collapse_guard and args.load_best_model_at_end:  # set by the recipe wherever training validates
             self.collapse_guard = CollapseGuard(part_config(args, "collapse_guard"))
