@@ -33,6 +33,7 @@ from typing import Any
 from trl import GRPOConfig, ModelConfig, TrlParser
 
 from searchr1_trl.assets import resolve_path
+from searchr1_trl.async_rollouts import AsyncRolloutsConfig
 from searchr1_trl.collapse_guard import CollapseGuardConfig
 from searchr1_trl.engine.generation import (
     Generator,
@@ -76,6 +77,7 @@ PARTS: dict[str, Any] = {
     "transformers_generator": TransformersGeneratorConfig(),
     "warm_start": WarmStartConfig(),  # off: no traces
     "collapse_guard": CollapseGuardConfig(),  # on wherever training validates
+    "async_rollouts": AsyncRolloutsConfig(),  # off: lock-step rollouts
 }
 
 # Knobs of the parts that are no recipe field, because build_task derives them.
@@ -215,6 +217,10 @@ class SearchR1Config(GRPOConfig):
     collapse_em_drop: float = knob("collapse_guard", "em_drop")
     collapse_searches_drop: float = knob("collapse_guard", "searches_drop")
     collapse_entropy_drop: float = knob("collapse_guard", "entropy_drop")
+
+    # --- asynchronous rollouts (searchr1_trl/async_rollouts.py) ---
+    async_rollouts: bool = knob("async_rollouts", "enabled")
+    max_staleness: int = knob("async_rollouts", "max_staleness")
 
     # --- generator ---
     generator: str = field(

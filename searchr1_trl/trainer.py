@@ -14,6 +14,9 @@ What this subclass decides, and nothing more:
   :mod:`searchr1_trl.weight_sync` push the recipe names (TRL's NCCL path or a safetensors folder the vLLM server
   reloads). The in-process generator (``generator="transformers"``) uses the live model, no sync.
 - **Validation** is greedy rollouts over a fixed held-out slice, logged as EM overall and per data source.
+- **Asynchronous rollouts** (``async_rollouts``, off by default; :mod:`searchr1_trl.async_rollouts`): the next
+  ``max_staleness`` steps' rollouts generate on the rollout loop, run in a background thread, while the trainer
+  updates; each is tagged with its policy version, bounded in staleness and weighted by ``pi_current / pi_behaviour``.
 - **Three throughput levers of the policy update** (:mod:`searchr1_trl.update`, all off by default):
   ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer), ``padding_free`` (rollouts packed without
   padding for the log-prob forward) and ``compile_layers`` (each decoder layer ``torch.compile``-d in place); the
@@ -33,6 +36,7 @@ fails, naming the entry, when the installed versions are not the pinned ones or 
 
 - ``trl.GRPOTrainer._get_per_token_logps_and_entropies``: overridden, packs the rows for ``padding_free``.
 - ``trl.GRPOTrainer._generate``: overridden, pushes the weights first, so TRL's own NCCL push finds them loaded.
+- ``trl.GRPOTrainer._generate_and_score_completions``: extended, drops equal-reward groups and weights stale rollouts.
 - ``transformers.Trainer._save_checkpoint``: overridden, stream state first, completeness marker last, rotation after.
 - ``transformers.Trainer._get_output_dir``: called, the run folder a checkpoint goes to.
 - ``transformers.trainer.rotate_checkpoints``: called, once the marker is written.
@@ -63,7 +67,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
-from searchr1_trl import evaluation
+from searchr1_trl import async_rollouts, evaluation
 from searchr1_trl.collapse_guard import CollapseGuard
 from searchr1_trl.engine.generation import SamplingParams
 from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
@@ -104,13 +108,18 @@ class QuestionBatches:
         self.num_generations = args.num_generations
         self.repeats = args.steps_per_generation * args.num_iterations
         self.process_index, self.num_processes = process_index, num_processes
+        self.source = self.draw  # where each step's rows come from (async_rollouts draws them ahead)
+
+    def draw(self) -> list[dict]:
+        """This process's rows of the next optimizer step."""
+        samples = [next(self.stream) for _ in range(self.questions_per_step)]
+        rows = [_row(s, self.env) for s in samples for _ in range(self.num_generations)]
+        per_process = len(rows) // self.num_processes
+        return rows[self.process_index * per_process:(self.process_index + 1) * per_process]
 
     def __iter__(self):
         while True:
-            samples = [next(self.stream) for _ in range(self.questions_per_step)]
-            rows = [_row(s, self.env) for s in samples for _ in range(self.num_generations)]
-            per_process = len(rows) // self.num_processes
-            local = rows[self.process_index * per_process:(self.process_index + 1) * per_process]
+            local = self.source()
             for _ in range(self.repeats):
                 yield local
 
@@ -179,6 +188,12 @@ class SearchR1Trainer(GRPOTrainer):
                                     self.env, self.task.rollout)
         self.weight_push = (weight_push(args, self.accelerator, getattr(self, "vllm_generation", None))
                             if args.generator == "vllm" else None)
+        self.pipeline: async_rollouts.RolloutPipeline | None = None  # made with the dataloader, under async_rollouts
+        if args.async_rollouts:
+            async_rollouts.check_recipe(args, self.is_deepspeed_enabled)
+            if args.generator == "transformers":
+                self.weight_push = async_rollouts.SnapshotPush(self.accelerator.unwrap_model(self.model))
+                self.engine.generator.model = self.weight_push.model
 
     # ---- policy update -----------------------------------------------------------------------------------------
 
@@ -212,12 +227,18 @@ class SearchR1Trainer(GRPOTrainer):
                 torch.stack(aux_losses).mean() if compute_aux_loss else None)
 
     def _generate_and_score_completions(self, inputs):
-        # Extends GRPOTrainer._generate_and_score_completions (TRL 1.16): with drop_equal_reward_groups, a group whose
-        # advantages are all ~0 (equal rewards; TRL divides by std + 1e-4, so float noise stays far below 0.01 while
-        # a group with spread has |advantage| ~1) leaves the loss mask and the DAPO token count.
+        # Extends GRPOTrainer._generate_and_score_completions (TRL 1.16): drops equal-reward groups, then weights
+        # rollouts sampled by older weights (async_rollouts).
         output = super()._generate_and_score_completions(inputs)
-        if not (self.args.drop_equal_reward_groups and self.model.training):
-            return output
+        if self.args.drop_equal_reward_groups and self.model.training:
+            output = self._drop_equal_reward_groups(output)
+        if self.pipeline is not None and self.model.training:
+            output = self._weight_stale_rollouts(output)
+        return output
+
+    def _drop_equal_reward_groups(self, output: dict) -> dict:
+        """A group whose advantages are all ~0 (equal rewards; TRL divides by std + 1e-4, so float noise stays far
+        below 0.01 while a group with spread has |advantage| ~1) leaves the loss mask and the DAPO token count."""
         advantages = output["advantages"]
         if advantages.numel() % self.num_generations:
             raise ValueError(f"drop_equal_reward_groups: this process holds {advantages.numel()} rollouts, not whole "
@@ -229,23 +250,41 @@ class SearchR1Trainer(GRPOTrainer):
         output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return output
 
+    def _weight_stale_rollouts(self, output: dict) -> dict:
+        """With async_rollouts, the advantages weighted by pi_current / pi_behaviour where TRL did not weight the loss
+        (:func:`~searchr1_trl.async_rollouts.weight_by_behaviour`)."""
+        def proximal_logps():
+            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            with torch.no_grad():
+                return self._get_per_token_logps_and_entropies(
+                    self.model, ids, mask, output["completion_ids"].size(1),
+                    batch_size=self.args.per_device_train_batch_size)[0]
+        return async_rollouts.weight_by_behaviour(output, proximal_logps, self.args, self._metrics["train"])
+
     # ---- rollouts ----------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _event_loop(self):
         """The loop rollouts run on. The outermost caller (``train()``, a standalone ``evaluate()`` or rollout)
-        opens it and closes it when done, with the generator's and the retriever's connections."""
+        opens it and closes it when done, with the generator's and the retriever's connections. Under
+        ``async_rollouts`` it runs in a thread of its own, so launched rollouts go on while the trainer updates."""
         if self._loop is not None:
             yield self._loop
             return
         self._loop = asyncio.new_event_loop()
+        thread = async_rollouts.start_in_thread(self._loop) if self.args.async_rollouts else None
         try:
             yield self._loop
         finally:
             try:
-                self._loop.run_until_complete(self.engine.generator.aclose())
-                self._loop.run_until_complete(self.env.aclose())
+                if self.pipeline is not None:
+                    self.pipeline.cancel()
+                async_rollouts.run_on(self._loop, self.engine.generator.aclose())
+                async_rollouts.run_on(self._loop, self.env.aclose())
             finally:
+                if thread is not None:
+                    async_rollouts.stop_thread(self._loop, thread)
                 self._loop.close()
                 self._loop = None
 
@@ -257,17 +296,20 @@ class SearchR1Trainer(GRPOTrainer):
         """Run a coroutine that generates on the rollout loop; the in-process generator needs the full (ZeRO-3
         gathered) model."""
         with self._event_loop() as loop:
-            if self.args.generator == "transformers":
+            if self.args.generator == "transformers" and not self.args.async_rollouts:  # async: the snapshot's
                 with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped:
                     self.engine.generator.model = unwrapped
                     return loop.run_until_complete(coroutine)
-            return loop.run_until_complete(coroutine)
+            return async_rollouts.run_on(loop, coroutine)
 
     def _rollout_func(self, prompts: list[list[dict]], trainer) -> dict:
         """TRL's rollout hook: multi-turn rollouts for this process's prompts, plus what the rubric and logs need."""
         mode = "train" if self.model.training else "eval"
         start = time.perf_counter()
-        rollouts = self._run_rollouts(prompts, self.task.sampling)
+        if self.pipeline is not None and mode == "train":
+            rollouts = self.pipeline.take(self.state.global_step, prompts, self.state.max_steps)
+        else:
+            rollouts = self._run_rollouts(prompts, self.task.sampling)
         self._log_rollouts(mode, rollouts, time.perf_counter() - start)
         return {
             "prompt_ids": [r.prompt_ids for r in rollouts],
@@ -305,14 +347,18 @@ class SearchR1Trainer(GRPOTrainer):
         right after step N would sample from step N-1's weights; both paths go through here instead, timed as
         ``weight_sync/time_s``, and TRL's own check then sees the step as already loaded.
         """
-        if self.args.generator != "vllm" or self._synced_step == self.state.global_step:
+        if self.weight_push is None or self._synced_step == self.state.global_step:
             return
-        nccl = self.args.weight_sync == "nccl"
+        nccl = self.args.weight_sync == "nccl" and self.args.generator == "vllm"
         if nccl or self.state.global_step > 0 or self._synced_step >= 0:  # the server starts with step 0's weights
+            if self.pipeline is not None:
+                self.pipeline.drain()  # in-flight rollouts finish on the weights they started with
             start = time.perf_counter()
             self.weight_push.push(self.model)
             self._metrics["train"]["weight_sync/time_s"].append(time.perf_counter() - start)
         self._synced_step = self.state.global_step
+        if self.pipeline is not None:
+            self.pipeline.pushed(self.state.global_step)
         if nccl:
             self._last_loaded_step = self.state.global_step
 
@@ -323,6 +369,8 @@ class SearchR1Trainer(GRPOTrainer):
         pass, the report slice: greedy rollouts, EM overall and per data source, searches and turns per rollout,
         status fractions and what the search policy learned, as ``<prefix>_*`` and ``report_*`` via the trainer's log.
         Training's step-0 validation is saved as a best-checkpoint candidate when the collapse guard is on."""
+        if self.pipeline is not None:
+            self.pipeline.drain()  # validation runs alone
         self._sync_generator_weights()
         held_out = [(metric_key_prefix, s) for s in self.eval_samples]
         held_out += [("report", s) for s in self.task.report_samples]
@@ -358,8 +406,16 @@ class SearchR1Trainer(GRPOTrainer):
     # ---- data, checkpoint and resume ---------------------------------------------------------------------------
 
     def get_train_dataloader(self):
-        return QuestionBatches(self.train_stream, self.env, self.args, self.accelerator.process_index,
-                               self.accelerator.num_processes)
+        batches = QuestionBatches(self.train_stream, self.env, self.args, self.accelerator.process_index,
+                                  self.accelerator.num_processes)
+        if self.args.async_rollouts:
+            batches.source = async_rollouts.Lookahead(batches.draw, self.train_stream.state_dict)
+            self.pipeline = async_rollouts.RolloutPipeline(
+                lambda prompts: asyncio.run_coroutine_threadsafe(
+                    self.engine.run_messages(prompts, self.task.sampling), self._loop),
+                batches.source, lambda rows: [row["prompt"] for row in rows], self.args.max_staleness,
+                self._metrics["train"])
+        return batches
 
     def _save_checkpoint(self, model, trial):
         # Extends Trainer/GRPOTrainer._save_checkpoint (transformers 5.24, TRL 1.16): the stream position first, the
@@ -369,7 +425,9 @@ class SearchR1Trainer(GRPOTrainer):
         folder = run_dir / f"checkpoint-{self.state.global_step}"
         if self.args.should_save:
             (folder / CHECKPOINT_COMPLETE_FILE).unlink(missing_ok=True)  # a folder saved again is incomplete meanwhile
-            _write_atomically(folder / STREAM_STATE_FILE, json.dumps(self.train_stream.state_dict()))
+            # under async_rollouts the questions drawn ahead are served again after a resume
+            stream = self.pipeline.lookahead if self.pipeline is not None else self.train_stream
+            _write_atomically(folder / STREAM_STATE_FILE, json.dumps(stream.state_dict()))
         limit, self.args.save_total_limit = self.args.save_total_limit, None
         try:
             super()._save_checkpoint(model, trial)
