@@ -27,3 +27,11 @@ def test_the_report_gives_each_variants_train_runtime_and_report_em_and_the_spee
     assert "| async | `` | 0 1 2 | 0.430 (0.000, 0.430) | 0.430 (0.000, 0.430) | 80.0 | 2.00x |" in printed
     assert "| sync | `` | 0 1 2 | 0.440 (0.000, 0.440) | 0.440 (0.000, 0.440) | 160.0 | 1.00x |" in printed
     assert json.loads((tmp_path / "learning.json").read_text())["variants"]["async"]["train_runtime_s"]["n"] == 3
+
+
+def test_a_baseline_that_has_not_run_yet_leaves_the_speedup_out(tmp_path, capsys):
+    finished_run(tmp_path, "async", 0, 80.0, 0.43)
+    report(tmp_path, baseline="sync")
+    printed = capsys.readouterr().out
+    assert "| async | `` | 0 | 0.430 (-, 0.430) | 0.430 (-, 0.430) | 80.0 | - |" in printed
+    assert "no speedup: the baseline variant 'sync' has no finished run here (async)" in printed
