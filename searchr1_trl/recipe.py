@@ -33,6 +33,7 @@ from typing import Any
 from trl import GRPOConfig, ModelConfig, TrlParser
 
 from searchr1_trl.assets import resolve_path
+from searchr1_trl.async_rollouts import AsyncRolloutsConfig
 from searchr1_trl.collapse_guard import CollapseGuardConfig
 from searchr1_trl.engine.generation import (
     Generator,
@@ -76,6 +77,7 @@ PARTS: dict[str, Any] = {
     "transformers_generator": TransformersGeneratorConfig(),
     "warm_start": WarmStartConfig(),  # off: no traces
     "collapse_guard": CollapseGuardConfig(),  # on wherever training validates
+    "async_rollouts": AsyncRolloutsConfig(),  # off: lock-step rollouts
 }
 
 # Knobs of the parts that are no recipe field, because build_task derives them.
@@ -139,6 +141,11 @@ class SearchR1Config(GRPOConfig):
         metadata={"help": "Pack each micro-batch's rollouts without padding (position ids restart per rollout) for the "
                           "log-prob forward/backward; needs an attention that reads packed position ids (sdpa, eager, "
                           "flex_attention, flash_attention_2). Same loss, less padding compute."},
+    )
+    compile_layers: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each decoder layer in place (searchr1_trl/update.py): same loss, the first "
+                          "steps compile. H200, seq 2048: update MFU 0.38 -> 0.58 (Qwen3-1.7B), 0.55 -> 0.69 (8B)."},
     )
 
     # --- inherited GRPO fields the trainer owns ---
@@ -210,6 +217,10 @@ class SearchR1Config(GRPOConfig):
     collapse_em_drop: float = knob("collapse_guard", "em_drop")
     collapse_searches_drop: float = knob("collapse_guard", "searches_drop")
     collapse_entropy_drop: float = knob("collapse_guard", "entropy_drop")
+
+    # --- asynchronous rollouts (searchr1_trl/async_rollouts.py) ---
+    async_rollouts: bool = knob("async_rollouts", "enabled")
+    max_staleness: int = knob("async_rollouts", "max_staleness")
 
     # --- generator ---
     generator: str = field(
