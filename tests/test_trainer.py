@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -111,21 +112,34 @@ def test_tool_tokens_never_enter_the_loss(masking_trainer):
     assert trainer.compute_loss(trainer.model, inputs).item() != pytest.approx(loss, abs=1e-3)
 
 
+def checksums(model) -> dict[str, int]:
+    """A CRC of each parameter's bytes, read in place."""
+    return {n: zlib.crc32(p.detach().numpy().data) for n, p in model.named_parameters()}
+
+
+TRAINED_LAYERS = re.compile(r"\.layers\.(2[0-3])\.")
+
+
 @pytest.mark.slow
 def test_a_grpo_step_through_the_whole_stack_changes_the_weights_and_syncs_them(stack_trainer, vllm_server,
                                                                               offline_assets, tokenizer):
     trainer = stack_trainer
+    # The last 4 of 24 decoder layers train: the step, the push of the whole model and the server's reload are the
+    # same, while gradients and Adam state for the rest would take 6 GiB more of the suite's peak.
+    trained_names = {n for n, p in trainer.model.named_parameters() if TRAINED_LAYERS.search(n)}
+    for name, parameter in trainer.model.named_parameters():
+        parameter.requires_grad_(name in trained_names)
     probe = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Who wrote Hamlet?"}, {"role": "assistant", "content": "William Shakespeare"}],
         tokenize=True, return_dict=True,
     )["input_ids"]
-    before_weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    before_weights = checksums(trainer.model)  # not a copy: 2.35 GB more of the suite's peak
     before = server_logprobs(vllm_server.base_url, offline_assets.model, probe)
     original = model_logprobs(trainer.model, probe)
     trainer.train()
     assert trainer.state.log_history[0]["reward_std"] > 0, "the 4 rollouts were all the same text: nothing to learn"
-    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before_weights[n])]
-    assert len(changed) > 0.5 * len(before_weights)
+    changed = {n for n, checksum in checksums(trainer.model).items() if checksum != before_weights[n]}
+    assert changed == trained_names
     assert trainer.state.log_history[0]["rollout/turns_per_rollout"] == 1
 
     trainer.weight_push.push(trainer.model)
