@@ -118,7 +118,7 @@ def _merged_peft_state_dict(model) -> Iterator[dict[str, torch.Tensor]]:
     """Base-model state dict with the LoRA deltas merged in, under the base model's own parameter names; valid inside
     the ``with`` block only. The tensors are the model's own, merged in place and unmerged on exit: no copy of the
     model is made (a copy cost the CPU recipe's trainer 2.43 GB more at every sync, writing in place 0.1 GB:
-    ``python -m benchmarks.lora_sync_memory``)."""
+    ``python -m benchmarks.probes.lora_sync_memory``)."""
     model.merge_adapter()
     try:
         yield {name.removeprefix("base_model.model.").replace(".base_layer", ""): tensor.detach()

@@ -2,7 +2,7 @@
 line per rollout (question, golden answers, status, each assistant turn, whether a search result held the gold).
 In-process generation (one GPU, or the CPU for a smoke run); the retrieval server is started on the given index.
 
-    python -m benchmarks.greedy_answers --index_path runs/offline_gpu/data/index.faiss \\
+    python -m benchmarks.probes.greedy_answers --index_path runs/offline_gpu/data/index.faiss \\
         --models ~/.cache/searchr1_trl/models/Qwen2.5-Coder-0.5B-Instruct runs/offline_gpu/checkpoint-20
 """
 

@@ -11,7 +11,7 @@ OpenAI API, e.g. ``trl vllm-serve``) and a running retrieval server:
 
     searchr1-retriever --index_path <index.faiss> --corpus_path <corpus.jsonl> --retriever_model <embedder> &
     trl vllm-serve --model <policy> --port 8001 --enforce_eager --dtype float32 &   # CPU: float32 is faster
-    python -m benchmarks.answer_formats --model <policy> --corpus_path <corpus.jsonl> \\
+    python -m benchmarks.probes.answer_formats --model <policy> --corpus_path <corpus.jsonl> \\
         --questions ~/.cache/searchr1_trl/data/squad_open/train.parquet --out docs/results/answer_formats.jsonl
 """
 

@@ -9,7 +9,7 @@ through ``/proc/self/clear_refs``, so the loading peak does not count):
 - ``in_place``: the model's own tensors, merged in place, one file (what the trainer does now);
 - ``in_place_sharded``: the same in 256 MB shards (whether safetensors' own buffering matters: it does not).
 
-    python -m benchmarks.lora_sync_memory --out docs/results/lora_sync_memory.jsonl
+    python -m benchmarks.probes.lora_sync_memory --out docs/results/lora_sync_memory.jsonl
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main() -> None:
         print(json.dumps(one(args.variant)), flush=True)
         return
     for variant in VARIANTS:
-        line = subprocess.run([sys.executable, "-m", "benchmarks.lora_sync_memory", "--variant", variant],
+        line = subprocess.run([sys.executable, "-m", "benchmarks.probes.lora_sync_memory", "--variant", variant],
                               check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         report(json.loads(line), args.out)
 

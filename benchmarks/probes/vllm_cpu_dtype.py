@@ -1,7 +1,7 @@
 """Decode speed of the offline model on a CPU vLLM server by weight dtype: why CPU servers run float32
 (``VLLMServerConfig.for_this_machine``). On a CPU without bf16 matrix instructions bf16 matmuls take slow paths.
 
-    python -m benchmarks.vllm_cpu_dtype bfloat16 float32
+    python -m benchmarks.probes.vllm_cpu_dtype bfloat16 float32
 
 Prints generated tokens/s for one and eight concurrent 50-token greedy completions (after one warm-up request).
 """

@@ -6,8 +6,8 @@ any vLLM flags after ``--`` and ``--env NAME=VALUE`` pairs, sends 8 concurrent c
 recipe's validation batch), and prints one JSON line: start-up seconds, generation seconds, and the PSS of each
 process (API server, engine core, worker) after the requests.
 
-    python -m benchmarks.vllm_cpu_memory --label default --out docs/results/vllm_cpu_memory.jsonl
-    python -m benchmarks.vllm_cpu_memory --label "mp executor" -- --distributed-executor-backend mp
+    python -m benchmarks.probes.vllm_cpu_memory --label default --out docs/results/vllm_cpu_memory.jsonl
+    python -m benchmarks.probes.vllm_cpu_memory --label "mp executor" -- --distributed-executor-backend mp
 """
 
 from __future__ import annotations
