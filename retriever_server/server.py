@@ -3,7 +3,8 @@
     POST /retrieve  {"queries": [str, ...], "topk": 3, "return_scores": false}
         -> {"result": [[{"id": ..., "contents": "<title>\\n<text>"}, ...] per query]}
         with return_scores: {"result": [[{"document": {...}, "score": float}, ...] per query]}
-    GET /health     200 once the index, corpus and encoder are loaded (no file paths: it is unauthenticated)
+    GET /health     200 once the index, corpus and encoder are loaded, checked against each other and a probe query
+                    has been answered (no file paths: it is unauthenticated)
     GET /metrics    Prometheus text: requests, queries, batches, batch sizes, latency percentiles, rejections
 
 It is a drop-in replacement for Search-R1's ``retrieval_server.py`` (same flags, same JSON), made safe to share
@@ -16,7 +17,10 @@ between thousands of model-written queries (issue 13):
 - work per request is capped (``max_request_cost`` documents, i.e. queries x topk) and a big request is served in
   slices with the small ones in between, so one valid request cannot stall the others; a request whose client
   disconnects stops being searched;
-- no interactive docs or OpenAPI schema are served.
+- no interactive docs or OpenAPI schema are served;
+- it does not start with parts that cannot answer: an encoder or corpus other than the index was built with
+  (the index's sidecar, ``retriever.py``), or a probe query that fails, is one line on stderr and exit status 1,
+  before the port is bound.
 
     python -m retriever_server.server --index_path e5_flat.faiss --corpus_path wiki-18.jsonl \\
         --retriever_name e5 --retriever_model intfloat/e5-base-v2 --topk 3
@@ -37,6 +41,7 @@ if __name__ == "__main__":
 import asyncio
 import json
 import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -53,6 +58,8 @@ from retriever_server.encoder import EncoderConfig
 from retriever_server.index import SearchConfig
 from retriever_server.metrics import Metrics
 from retriever_server.retriever import Hits, Retriever, set_cpu_threads
+
+PROBE_QUERY = "Who won Super Bowl 50?"
 
 logger = logging.getLogger(__name__)
 
@@ -252,13 +259,29 @@ def create_app(retriever: Retriever, config: ServerConfig, batcher_config: Batch
     return app
 
 
+def probe(retriever: Retriever) -> None:
+    """ValueError unless one query is searched end to end (tokenizer, encoder, index, corpus) with one hit: a
+    server that cannot answer must not report itself healthy."""
+    try:
+        [hits] = retriever.search([PROBE_QUERY], [1])
+    except Exception as error:  # noqa: BLE001 - whatever it is, the server cannot answer queries
+        raise ValueError(f"a probe query fails, so no query could be answered: {type(error).__name__}: "
+                         f"{str(error)[:300]}") from None
+    if len(hits.documents) != 1:
+        raise ValueError(f"a probe query found {len(hits.documents)} passages, expected 1: is the index empty?")
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[retriever] %(message)s")
     parser = HfArgumentParser([ServerConfig, EncoderConfig, SearchConfig, BatcherConfig], description=__doc__)
-    config, encoder_config, search_config, batcher_config = parser.parse_args_into_dataclasses(args=argv)
-    set_cpu_threads(config.cpu_threads)
-    start = time.monotonic()
-    retriever = Retriever.from_paths(config.index_path, config.corpus_path, encoder_config, search_config)
+    try:
+        config, encoder_config, search_config, batcher_config = parser.parse_args_into_dataclasses(args=argv)
+        set_cpu_threads(config.cpu_threads)
+        start = time.monotonic()
+        retriever = Retriever.from_paths(config.index_path, config.corpus_path, encoder_config, search_config)
+        probe(retriever)
+    except (ValueError, OSError) as error:  # bad flags, mismatched parts, missing files: what to change, in a line
+        sys.exit("error: " + " ".join(str(error).split()))
     logger.info("loaded %d passages in %.1fs; serving on http://%s:%d", len(retriever.corpus),
                 time.monotonic() - start, config.host, config.port)
     app = create_app(retriever, config, batcher_config)
