@@ -35,9 +35,10 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
     malformed = f["malformed_turns"]
     lost = max(m["other_rollouts_lost"] for m in malformed.values())
     load = f["server_load"]
-    poison, heavy, clean = load["poison"], load["heavy"], load["clean"]
+    poison, heavy, clean, nine = load["poison"], load["heavy"], load["clean"], load["nine heavy"]
     success = (poison["good_requests"] - poison["good_failed"]) / poison["good_requests"]
     ratio = heavy["p99_ms"] / clean["p99_ms"]
+    nine_ratio, nine_share = nine["p99_ms"] / clean["p99_ms"], nine["good_per_s"] / clean["good_per_s"]
     outage = f["client_outage"]
     resumes = f["kill_and_resume"]
     escapes = f["parse_fuzz"]["escapes"] + f["rollout_fuzz"]["escapes"]
@@ -64,6 +65,13 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
          f"{heavy['p99_ms']:.0f} ms vs clean {clean['p99_ms']:.0f} ms = {ratio:.2f}x; "
          f"{heavy['good_failed']} of {heavy['good_requests']:,} failed", ratio <= 2 and heavy["good_failed"] == 0,
          "test_reliability_server: test_64_good_clients_are_all_answered_beside_poison_and_a_heavy_request"),
+        ("good clients beside nine maximal requests (1,024 x ~940 characters, topk 4) resent at once",
+         "p99 <= 2x clean, throughput >= 70% of clean",
+         f"p99 {nine['p99_ms']:.0f} ms = {nine_ratio:.2f}x, {nine['good_per_s']:.0f} requests/s = {nine_share:.0%} "
+         f"of clean; {nine['good_failed']} of {nine['good_requests']:,} failed; the heavy clients got "
+         f"{nine['extra_429']} 429s", nine_ratio <= 2 and nine_share >= 0.7 and nine["good_failed"] == 0,
+         "test_reliability_server: test_beside_nine_maximal_requests_every_good_request_is_answered_and_all_but_"
+         "one_heavy_client_gets_429"),
         ("retriever outage survived (SIGKILL mid-batch, restart)", "every search answered",
          f"{outage['searches'] - outage['empty']} of {outage['searches']} searches answered across a "
          f"{outage['outage_s']:.1f} s outage ({outage['requests']} requests)", outage["empty"] == 0,
@@ -80,7 +88,7 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
 
 
 FINDINGS = """\
-| finding | fix | test (fails on main d952a21, passes now) |
+| finding | fix | test (fails before its fix, passes now) |
 | --- | --- | --- |
 | F1 lone surrogate escape loses the batch | parser fails the turn (ERROR_PARSE) on any lone surrogate; the client encodes queries itself; passages and tool names made valid text | `test_a_malformed_turn_ends_only_its_own_rollout...[surrogate *]`, `test_a_query_that_is_no_valid_text_costs_no_other_search` |
 | F2 deep nesting / huge ints escape parsers | every JSON reader treats RecursionError/ValueError as unreadable; arguments deeper than 32 fail the turn; env reads them as an empty query | `test_a_malformed_turn_ends_only_its_own_rollout...[990 nested *, 5,000-digit *]`, the 10,000-completion property test |
@@ -93,6 +101,8 @@ FINDINGS = """\
 | F9 client gaps | wall-time bound per attempt (drip cut off), `deadline_s` per search, 8 retries / 39.5 s of backoff, response size cap, passages capped | `test_one_faulty_answer_is_retried_within_the_time_budget[*]`, `test_a_dripping_server_is_cut_off...`, `test_a_search_never_outlasts_its_deadline`, `test_an_oversized_answer_is_refused...` |
 | F10 exposure | no /docs, /redoc, /openapi.json; /health without paths | `test_no_api_docs_are_served_and_health_shows_no_paths` |
 | F11 orphans and silent OOM | vLLM under a reaper (process group + PR_SET_PDEATHSIG), retriever with PDEATHSIG; a signal death says its likely cause and peak memory | `test_servers_die_with_a_parent_killed_by_sigkill`, `test_a_child_killed_by_sigkill_is_reported_with_its_likely_cause_and_peak_memory` |
+| a corpus or encoder other than the index's is served (Zelda passages for Super Bowl 50; every query a 422 while `/health` is ok) | the sidecar records passage count, a sha256 of the contents, the encoder's width and its embedding of a probe passage; the server refuses in one line, and answers a probe query before it binds its port | `tests/test_retriever_index.py`: `test_the_server_refuses_*`, `test_a_server_that_cannot_answer_a_probe_query_does_not_start` |
+| nine maximal requests starve everyone (good p99 6.0 -> 16.5 s, 33.6 -> 10.9 requests/s; here 503s) | requests larger than one batch admitted by cost (`max_bulk_chars`, one maximal request) with a 429 held back for its `Retry-After`, a body too big for the room refused unread; bulk slices a quarter batch, one at a time between small batches, at most `max_bulk_share` (20%) of the search time | `test_beside_nine_maximal_requests_every_good_request_is_answered...`, `test_bulk_work_gets_its_share_of_the_search_time...`, `test_a_request_larger_than_one_batch_is_refused_while_others_hold...` |
 """
 
 
