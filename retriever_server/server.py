@@ -8,15 +8,16 @@
     GET /metrics    Prometheus text: requests, queries, batches, batch sizes, latency percentiles, rejections
 
 It is a drop-in replacement for Search-R1's ``retrieval_server.py`` (same flags, same JSON), made safe to share
-between thousands of model-written queries (issue 13):
+between thousands of model-written queries:
 
 - every rejection is a 4xx whose ``detail`` starts with the field it is about (``queries[3]: ...``), including bodies
   nested too deep for the JSON parser and integers too long to convert; nothing reaches a bare 500, an unexpected
   error is a 500 naming its type, and every one of them is counted in ``/metrics`` with the connection kept open;
 - a query that cannot be searched fails its own request only (422), never the batch it shares (batching.py);
 - work per request is capped (``max_request_cost`` documents, i.e. queries x topk) and a big request is served in
-  slices with the small ones in between, so one valid request cannot stall the others; a request whose client
-  disconnects stops being searched;
+  slices with the small ones in between, so one valid request cannot stall the others; requests larger than one
+  batch are admitted by cost (``max_bulk_chars``; another gets 429 with ``Retry-After``), so nine of them cannot
+  either; a request whose client disconnects stops being searched;
 - no interactive docs or OpenAPI schema are served;
 - it does not start with parts that cannot answer: an encoder or corpus other than the index was built with
   (the index's sidecar, ``retriever.py``), or a probe query that fails, is one line on stderr and exit status 1,

@@ -97,6 +97,30 @@ def test_summary_gives_em_overall_and_per_source_searches_and_status_fractions()
     assert summary["num_samples"] == 5
 
 
+def test_a_trace_with_a_failed_search_is_counted_apart_and_left_out_of_the_em():
+    traces = [trace("nq", True, 1), trace("nq", False, 1, evaluation.SEARCH_FAILED), trace("hotpotqa", False, 1,
+                                                                                         evaluation.SEARCH_FAILED)]
+    summary = evaluation.summarize(traces)
+    assert (summary["em"], summary["em/nq"], summary["search_failed"]) == (1.0, 1.0, 2)
+    assert summary["em/hotpotqa"] != summary["em/hotpotqa"]  # NaN: no trace of it could be scored
+    assert summary["status_error_search"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("method_name", ["rag", "agent"])
+def test_a_search_the_retriever_does_not_answer_makes_a_failed_trace_not_a_wrong_answer(tokenizer, method_name):
+    from conftest import free_port
+
+    generator = ScriptedGenerator(tokenizer)
+    closed = f"http://127.0.0.1:{free_port()}/retrieve"  # nothing listens: every attempt is refused
+    method = evaluation.build_method(method_name, tokenizer, generator,
+                                     SearchR1EnvConfig(search_url=closed, max_retries=0), RolloutConfig(max_turns=3))
+
+    [failed] = asyncio.run(evaluation.run(method, [QUESTION], evaluation.greedy_params(64)))
+
+    assert (failed.status, failed.em, failed.searches[0]["failed"], failed.searches[0]["titles"]) == (
+        evaluation.SEARCH_FAILED, False, True, [])
+
+
 def test_passage_titles_keep_parentheses_inside_a_title():
     passages = "Doc 1(Title: Queen (band)) A British rock band.\nDoc 2(Title: Paris) The capital."
     assert evaluation.passage_titles(passages) == ["Queen (band)", "Paris"]
