@@ -180,6 +180,7 @@ class MicroBatcher:
         self._pending: list[_Request] = []  # requests with queries not yet handed to a batch, oldest first
         self._held_queries = 0  # queries queued or running
         self._bulk_chars = 0  # query characters of the held requests larger than one batch
+        self.last_failure: str | None = None  # the error of the last search, None once one succeeds
         self._recent: deque[tuple[float, float, bool]] = deque()  # (end, seconds, bulk) of recent batches
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=self.config.search_threads, thread_name_prefix="retrieve")
@@ -341,7 +342,7 @@ class MicroBatcher:
         queries = [q for s in batch for q in s.queries]
         try:
             hits, seconds = await loop.run_in_executor(
-                self._executor, _timed, self.search, queries, [s.request.topk for s in batch for _ in s.queries])
+                self._executor, _timed, self._searched, queries, [s.request.topk for s in batch for _ in s.queries])
         except Exception:
             self.metrics.batch_errors += 1
             logger.warning("batch of %d queries from %d requests failed; retrying request by request", len(queries),
@@ -380,7 +381,18 @@ class MicroBatcher:
         self._fail(part.request, first_error)
 
     async def _search(self, queries: list[str], topks: list[int], loop: asyncio.AbstractEventLoop) -> list[Hits]:
-        return await loop.run_in_executor(self._executor, self.search, queries, topks)
+        return await loop.run_in_executor(self._executor, self._searched, queries, topks)
+
+    def _searched(self, queries: list[str], topks: list[int]) -> list[Hits]:
+        """``search``'s result, remembering in :attr:`last_failure` whether it raised (in a search thread; one
+        attribute assignment, atomic)."""
+        try:
+            hits = self.search(queries, topks)
+        except Exception as error:
+            self.last_failure = f"{type(error).__name__}: {str(error)[:200]}"
+            raise
+        self.last_failure = None
+        return hits
 
     def _deliver(self, part: _Slice, hits: list[Hits]) -> None:
         request = part.request

@@ -4,7 +4,7 @@
         -> {"result": [[{"id": ..., "contents": "<title>\\n<text>"}, ...] per query]}
         with return_scores: {"result": [[{"document": {...}, "score": float}, ...] per query]}
     GET /health     200 once the index, corpus and encoder are loaded, checked against each other and a probe query
-                    has been answered (no file paths: it is unauthenticated)
+                    has been answered; 503 while searches fail (no file paths: it is unauthenticated)
     GET /metrics    Prometheus text: requests, queries, batches, batch sizes, latency percentiles, rejections
 
 It is a drop-in replacement for Search-R1's ``retrieval_server.py`` (same flags, same JSON), made safe to share
@@ -40,6 +40,7 @@ if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -62,6 +63,7 @@ from retriever_server.retriever import Hits, Retriever, set_cpu_threads
 
 PROBE_QUERY = "Who won Super Bowl 50?"
 BUSY_RETRY_AFTER_S = 1
+HEALTH_PROBE_TIMEOUT_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -262,13 +264,20 @@ def create_app(retriever: Retriever, config: ServerConfig, batcher_config: Batch
             return error(500, f"internal: {type(exc).__name__}: {str(exc)[:200]}")
 
     @app.get("/health")
-    async def health() -> dict:
-        return {
+    async def health() -> Response:
+        """ok, or 503 while searches fail: after a failed search, ok only once a probe query is answered."""
+        if batcher.last_failure is not None:
+            with contextlib.suppress(Exception):  # the probe's failure is what last_failure now says
+                await asyncio.wait_for(batcher.submit([PROBE_QUERY], 1), HEALTH_PROBE_TIMEOUT_S)
+        if batcher.last_failure is not None:
+            return JSONResponse({"status": "failing", "detail": f"searches fail: {batcher.last_failure}"},
+                                status_code=503)
+        return json_response({
             "status": "ok",
             "passages": len(retriever.corpus),
             "index": type(retriever.index).__name__,
             "batching": batcher_config.batching,
-        }
+        })
 
     @app.get("/metrics")
     async def get_metrics() -> PlainTextResponse:

@@ -161,6 +161,35 @@ def test_bulk_work_gets_its_share_of_the_search_time_while_small_clients_keep_as
     assert 0.1 <= sum(while_small) / len(while_small) <= 0.3, order  # about a quarter, and never starved
 
 
+def test_health_is_503_while_every_search_fails_and_ok_again_once_one_is_answered():
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from retriever_server.server import ServerConfig, create_app
+
+    broken = [True]
+
+    def search(queries, topks):  # a fault on purpose: a device that stops answering, then comes back
+        if broken[0]:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return [Hits([{"id": "0", "contents": "Super Bowl 50\nDenver won."}], [1.0]) for _ in queries]
+
+    retriever = SimpleNamespace(search=search, corpus=[None], index=None,
+                                encoder=SimpleNamespace(device=SimpleNamespace(type="cpu")))
+    app = create_app(retriever, ServerConfig(index_path="i", corpus_path="c"), BatcherConfig())
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200  # nothing has failed yet
+        assert client.post("/retrieve", json={"queries": ["Super Bowl 50"]}).status_code == 422
+        failing = client.get("/health")
+        broken[0] = False
+        healed = client.get("/health")
+
+    assert failing.status_code == 503 and failing.json() == {
+        "status": "failing", "detail": "searches fail: RuntimeError: CUDA error: device-side assert triggered"}
+    assert healed.status_code == 200 and healed.json()["status"] == "ok"
+
+
 def test_with_two_search_threads_two_batches_run_at_once_and_every_request_gets_its_own_hits():
     running, overlap = [0], [0]
 
