@@ -26,11 +26,11 @@ import pandas as pd
 from transformers import AutoTokenizer
 
 from benchmarks.report import report
-from searchr1_trl.data import SearchR1Sample
-from searchr1_trl.env import RESTATEMENT, SEARCH_TOOL, SearchR1Env, SearchR1EnvConfig
-from searchr1_trl.generation import SamplingParams, VLLMServerGenerator
-from searchr1_trl.rollout import RolloutConfig, RolloutEngine
-from searchr1_trl.rubric import RewardExactMatch
+from searchr1_trl.engine.generation import SamplingParams, VLLMServerGenerator
+from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
+from searchr1_trl.search_r1.data import SearchR1Sample
+from searchr1_trl.search_r1.env import RESTATEMENT, SEARCH_TOOL, SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.rubric import RewardExactMatch
 
 
 def questions_in_corpus(path: str, corpus_path: str, n: int) -> list[SearchR1Sample]:

@@ -34,12 +34,13 @@ import time
 from pathlib import Path
 
 from benchmarks.report import report
-from benchmarks.rollout_throughput import free_port, workload
+from benchmarks.rollout_throughput import workload
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import require
-from searchr1_trl.env import SearchR1Env, SearchR1EnvConfig
-from searchr1_trl.generation import Generation, Generator, SamplingParams, VLLMServerGenerator
-from searchr1_trl.rollout import RolloutConfig, RolloutEngine
+from searchr1_trl.engine.generation import Generation, Generator, SamplingParams, VLLMServerGenerator
+from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
+from searchr1_trl.processes import free_port
+from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
 
 
 class Script:
@@ -156,9 +157,9 @@ PARTS = {
     "chat template (jinja)": [("utils/chat_template_utils.py", "render_jinja_template")],
     "tokenizer (encode)": [("transformers/tokenization_utils_base.py", "__call__"),
                            ("transformers/tokenization_utils_base.py", "encode")],
-    "parser": [("searchr1_trl/parsing.py", "parse_turn")],
-    "env.step (retrieval client)": [("searchr1_trl/env.py", "step")],
-    "generator.generate (HTTP client)": [("searchr1_trl/generation.py", "generate"),
+    "parser": [("searchr1_trl/engine/parsing.py", "parse_turn")],
+    "env.step (retrieval client)": [("searchr1_trl/search_r1/env.py", "step")],
+    "generator.generate (HTTP client)": [("searchr1_trl/engine/generation.py", "generate"),
                                          ("benchmarks/engine_overhead.py", "generate")],
 }
 

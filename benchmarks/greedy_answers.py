@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import require
-from searchr1_trl.data import SearchR1Sample
-from searchr1_trl.env import SearchR1Env, SearchR1EnvConfig
-from searchr1_trl.generation import SamplingParams, TransformersGenerator
-from searchr1_trl.rollout import RolloutConfig, RolloutEngine
+from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator
+from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
+from searchr1_trl.search_r1.data import SearchR1Sample
+from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
 
 
 def describe(rollout) -> dict:

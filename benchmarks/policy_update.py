@@ -33,7 +33,7 @@ import torch
 from benchmarks.report import report
 from benchmarks.zero3_update import synthetic_rollouts
 from searchr1_trl.assets import require
-from searchr1_trl.generation import SamplingParams, TransformersGenerator
+from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator
 from searchr1_trl.shapes import random_model
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
 

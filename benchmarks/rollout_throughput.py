@@ -11,7 +11,7 @@ groups need ``num_generations >= 2``, and all three get the very same list), sam
 most ``--max_tokens`` per turn and ``--max_turns`` assistant turns (TRL: ``max_tool_calling_iterations = max_turns -
 1``). "Generated tokens" are model tokens only (env mask / TRL tool mask 1); a turn is an assistant message, a search
 a tool call in one. The offline Qwen2.5-Coder-0.5B calls ``search`` only as bare JSON, which TRL's response parser
-reads as a final answer; so all three loops parse turns with the product's parser (``searchr1_trl.parsing``, bare
+reads as a final answer; so all three loops parse turns with the product's parser (``searchr1_trl.engine.parsing``, bare
 JSON calls on): (c) gets it as its tokenizer's ``parse_response`` (:func:`tokenizer_with_our_parser`), the one
 method TRL 1.16 parses every turn through, and with it TRL's rollouts search too. ``--no-bare_json_tool_calls``
 restores the template-only parsers (then the 0.5B's rollouts are one turn). The script starts its own retrieval server
@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,20 +46,17 @@ import pandas as pd
 from benchmarks.report import report
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import require
-from searchr1_trl.data import SearchR1Sample
-from searchr1_trl.env import (
-    SEARCH_TOOL,
-    RetrievalClient,
-    SearchR1Env,
-    SearchR1EnvConfig,
-)
-from searchr1_trl.generation import (
+from searchr1_trl.engine.generation import (
     SamplingParams,
     TransformersGenerator,
     VLLMServerGenerator,
 )
-from searchr1_trl.parsing import response_parser
-from searchr1_trl.rollout import RolloutConfig, RolloutEngine
+from searchr1_trl.engine.parsing import response_parser
+from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
+from searchr1_trl.processes import free_port
+from searchr1_trl.search_r1.data import SearchR1Sample
+from searchr1_trl.search_r1.env import SEARCH_TOOL, SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.retrieval import RetrievalClient
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
 ARTICLES = 8  # SQuAD dev articles whose passages form the corpus and whose questions are asked
@@ -90,12 +86,6 @@ class Result:
         return (f"{self.backend:<34} {r['rollouts_per_s']:8.3f} rollouts/s {r['generated_tokens_per_s']:9.1f} tokens/s"
                 f" {r['turns_per_rollout']:5.2f} turns {r['searches_per_rollout']:5.2f} searches per rollout"
                 f"   ({self.rollouts} rollouts, {self.generated_tokens} tokens, {self.seconds:.1f} s)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload(assets, num_questions: int, work: Path) -> tuple[list[SearchR1Sample], Path]:
@@ -136,7 +126,8 @@ def engine_run(tokenizer, generator, search_url: str, samples, params, rollout_c
 
 
 def tokenizer_with_our_parser(model_path: str, bare_json_tool_calls: bool):
-    """A tokenizer for ``GRPOTrainer`` whose ``parse_response`` is the product's parser (``searchr1_trl.parsing``).
+    """A tokenizer for ``GRPOTrainer`` whose ``parse_response`` is the product's parser
+    (``searchr1_trl.engine.parsing``).
 
     TRL 1.16 reads every turn through ``trl.chat_template_utils.parse_response``, which calls the tokenizer's
     ``parse_response(ids, prefix=..., tools=...)`` when a ``response_template`` is set and falls back to plain text on
@@ -152,7 +143,7 @@ def tokenizer_with_our_parser(model_path: str, bare_json_tool_calls: bool):
     def parse_response(ids, prefix=None, tools=None) -> dict:
         message = parse(list(ids), list(prefix or []))
         if message is None:
-            raise ValueError("the turn cannot be parsed (searchr1_trl.parsing)")
+            raise ValueError("the turn cannot be parsed (searchr1_trl.engine.parsing)")
         return message
 
     tokenizer.parse_response = parse_response

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.report import report
 from searchr1_trl.vllm_server import reload_weights
+from searchr1_trl.weight_sync import save_for_reload
 
 
 def post(url: str, payload: dict) -> dict:
@@ -114,16 +114,7 @@ def main() -> None:
             client.reset_prefix_cache()
         else:
             folder = Path(args.sync_dir)
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=folder.parent))
-            dtype = getattr(torch, args.push_dtype)
-            model.save_pretrained(tmp, safe_serialization=True,
-                                  state_dict={name: t.to(dtype) for name, t in model.state_dict().items()})
-            for old in folder.iterdir():
-                old.unlink()
-            for new in tmp.iterdir():
-                new.rename(folder / new.name)
-            tmp.rmdir()
+            save_for_reload(model, None, folder, getattr(torch, args.push_dtype))
             reload_weights(args.server_url, folder)
         torch.cuda.synchronize()
         return time.perf_counter() - start

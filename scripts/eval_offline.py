@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import shlex
 import subprocess
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 from retriever_server.launch import RetrieverProcess
-from searchr1_trl.assets import prepare
+from searchr1_trl.assets import corpus_slice, prepare
 from searchr1_trl.cli import eval as eval_cli
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
@@ -36,28 +35,12 @@ AGENT_SETTINGS = ["--topk", "3", "--max_turns", "3", "--max_tokens_per_turn", "1
                   "--bare_json_tool_calls", "true"]
 
 
-def corpus_slice(corpus: str, titles: set[str], distractors: int, out: Path) -> str:
-    """The passages of ``titles`` plus the first ``distractors`` Wikipedia leads, as a corpus JSONL."""
-    kept, leads = [], 0
-    with open(corpus) as f:
-        for line in f:
-            row = json.loads(line)
-            if row["contents"].split("\n", 1)[0] in titles:
-                kept.append(line)
-            elif leads < distractors and int(row["id"]) > 20957:  # Wikipedia leads follow the SQuAD paragraphs
-                kept.append(line)
-                leads += 1
-    path = out / "corpus.jsonl"
-    path.write_text("".join(kept))
-    logger.info("corpus slice: %d passages (%d articles + %d leads)", len(kept), len(titles), leads)
-    return str(path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoints", nargs="+", default=None, help="default: the offline base model")
     parser.add_argument("--num_samples", type=int, default=32)
     parser.add_argument("--sample_seed", type=int, default=0)
+    parser.add_argument("--sample_offset", type=int, default=0, help="500 with --num_samples 500: the report sample")
     parser.add_argument("--methods", nargs="+", default=["direct", "rag", "agent"])
     parser.add_argument("--corpus", choices=["slice", "full"], default="slice")
     parser.add_argument("--distractors", type=int, default=500)
@@ -76,14 +59,17 @@ def main() -> None:
     checkpoints = args.checkpoints or [assets.model]
 
     sample = eval_cli.EvalConfig(checkpoints=checkpoints, data=[assets.test_questions], num_samples=args.num_samples,
-                                 sample_seed=args.sample_seed)
+                                 sample_seed=args.sample_seed, sample_offset=args.sample_offset)
     questions = [s.question for _, s in eval_cli.load_questions(sample)]
     import pandas as pd
 
     test = pd.read_parquet(assets.test_questions)
     titles = set(test[test["question"].isin(questions)]["title"])
-    corpus = assets.corpus if args.corpus == "full" else corpus_slice(assets.corpus, titles, args.distractors,
-                                                                      out / "data")
+    corpus = assets.corpus
+    if args.corpus == "slice":
+        corpus = str(out / "data" / "corpus.jsonl")
+        passages = corpus_slice(assets.corpus, titles, args.distractors, Path(corpus))
+        logger.info("corpus slice: %d passages (%d articles + leads)", passages, len(titles))
     index = out / "data" / "index.faiss"
     subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", corpus,
                     "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)
@@ -97,6 +83,7 @@ def main() -> None:
             command = [
                 "searchr1-eval", "--checkpoints", checkpoint, "--data", assets.test_questions,
                 "--num_samples", str(args.num_samples), "--sample_seed", str(args.sample_seed),
+                "--sample_offset", str(args.sample_offset),
                 "--methods", *args.methods, "--search_url", retriever.url, *generator,
                 "--max_concurrency", str(args.max_concurrency), "--output_dir", str(out), *AGENT_SETTINGS,
             ]

@@ -30,7 +30,7 @@ mkdir -p "$WHEELS" "$OUT"
 rm -rf "$STAGE/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$STAGE/site/vllm/vllm-rs" \
   "$STAGE"/site/vllm/third_party/deep_gemm/_C.cpython-31[0134]-*
 rm -f "$OUT"/site.tar.xz.* "$OUT"/assets.tar.*
-tar -C "$STAGE/site" -c . | xz -T2 -6 | split -b 50M -d - "$OUT/site.tar.xz."
+tar -C "$STAGE/site" -c . | xz -T2 -1 | split -b 50M -d - "$OUT/site.tar.xz."
 # The offline assets in the cache's own layout; gpu_setup.sh dequantizes the GGUF there (searchr1-assets).
 if [ "${BUNDLE_ASSETS:-1}" = 0 ]; then ls -la "$OUT"; exit 0; fi
 mkdir -p "$STAGE/assets/gguf"

@@ -38,8 +38,8 @@ import pandas as pd
 import yaml
 
 from retriever_server.launch import RetrieverProcess
-from searchr1_trl.assets import prepare
-from searchr1_trl.generation import resolve_generator  # not recipe: the job needs no torch or trl
+from searchr1_trl.assets import corpus_slice, prepare
+from searchr1_trl.engine.generation import resolve_generator  # not recipe: the job needs no torch or trl
 from searchr1_trl.processes import run_reporting
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
@@ -57,23 +57,13 @@ def slice_data(assets, out: Path, train_articles: int, test_articles: int, distr
     titles = train_titles | test_titles
     train = train[train["title"].isin(train_titles)]
     test = test[test["title"].isin(test_titles)]
-    kept, leads = [], 0
-    with open(assets.corpus) as f:
-        for line in f:
-            row = json.loads(line)
-            title = row["contents"].split("\n", 1)[0]
-            if title in titles:
-                kept.append(line)
-            elif leads < distractors and int(row["id"]) > 20957:  # Wikipedia leads follow the SQuAD paragraphs
-                kept.append(line)
-                leads += 1
     paths = {"corpus": str(out / "corpus.jsonl"), "train": str(out / "train.parquet"),
              "test": str(out / "test.parquet")}
-    Path(paths["corpus"]).write_text("".join(kept))
+    passages = corpus_slice(assets.corpus, titles, distractors, Path(paths["corpus"]))
     train.to_parquet(paths["train"], index=False)
     test.to_parquet(paths["test"], index=False)
     logger.info("corpus slice: %d passages; %d train questions from %d articles, %d test questions from %d",
-                len(kept), len(train), train_articles, len(test), test_articles)
+                passages, len(train), train_articles, len(test), test_articles)
     return paths
 
 
@@ -186,6 +176,8 @@ def main() -> None:
     parser.add_argument("--retriever_gpu", help="CUDA_VISIBLE_DEVICES of the retriever; set: search on that GPU")
     parser.add_argument("--generator_gpu_memory_utilization", type=float, default=0.3,
                         help="vLLM's share of its GPU (low: it shares the GPU with the trainer or retriever)")
+    parser.add_argument("--generator_kv_cache_gib", type=float,
+                        help="fixed KV cache of the GPU vLLM server (for several jobs side by side on one GPU)")
     parser.add_argument("--generator_enforce_eager", action="store_true",
                         help="vLLM without CUDA graphs on GPU (faster start; always on for CPU)")
     parser.add_argument("--launcher", choices=["python", "accelerate"], default="python")
@@ -214,7 +206,8 @@ def main() -> None:
     generator = VLLMServerConfig.for_this_machine(
         data["model"], port=args.generator_port, log_file=str(out / "vllm.log"),
         gpu_memory_utilization=args.generator_gpu_memory_utilization, env=gpu_env(args.generator_gpu),
-        **({"enforce_eager": True} if args.generator_enforce_eager else {}))
+        **({"enforce_eager": True} if args.generator_enforce_eager else {}),
+        **({"gpu_kv_cache_gib": args.generator_kv_cache_gib} if args.generator_kv_cache_gib else {}))
     retriever = RetrieverProcess(
         index_path=str(index), corpus_path=data["corpus"], retriever_model=assets.embedder, port=args.retriever_port,
         log_file=str(out / "retriever.log"), env=gpu_env(args.retriever_gpu),
@@ -246,7 +239,8 @@ def main() -> None:
         # and a server that dies under the trainer stops it at once, named.
         run_reporting("trainer", trainer, needs=needs, env={**os.environ, **gpu_env(args.trainer_gpu)})
 
-    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    state = json.loads((out / "trainer_state.json").read_text())
+    history = state["log_history"]
     plot(history, out / "curves.png")
     evals = [e for e in history if "eval_em" in e]
     summary = {
@@ -256,6 +250,12 @@ def main() -> None:
         "searches_per_rollout_before_after": [evals[0].get("eval_searches_per_rollout"),
                                               evals[-1].get("eval_searches_per_rollout")] if evals else None,
         "eval_em_by_step": {e["step"]: e["eval_em"] for e in evals},
+        # the checkpoint training ended on (the collapse guard's choice by validation EM; None: the last step)
+        "best_step": state.get("best_global_step"), "best_eval_em": state.get("best_metric"),
+        "report_em_by_step": {e["step"]: e["report_em"] for e in evals if "report_em" in e},
+        "evals": [{k: v for k, v in e.items() if k.startswith(("eval_", "report_")) or k == "step"} for e in evals],
+        "train_searches_by_step": {e["step"]: e["rollout/searches_per_rollout"] for e in history
+                                   if "rollout/searches_per_rollout" in e},
         "train_runtime_s": next((e["train_runtime"] for e in history if "train_runtime" in e), None),
         "per_step_s": time_split(history, rollouts_per_step=rollouts_per_step(recipe, train_overrides)),
     }

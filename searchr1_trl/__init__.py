@@ -8,7 +8,7 @@ The names a user needs, importable from the package itself::
     SearchR1Trainer(model=model_args.model_name_or_path, args=args).train()
 
 Each name is imported from its module on first use, so ``import searchr1_trl.assets`` (the asset command) or
-``searchr1_trl.parsing`` does not pay for importing TRL and torch.
+``searchr1_trl.engine.parsing`` does not pay for importing TRL and torch.
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ import importlib
 
 # name -> the module defining it; the data flow, top to bottom (README "Where things are").
 _EXPORTS = {
-    "SearchR1Dataset": "data", "SearchR1DatasetConfig": "data", "SearchR1Sample": "data",
-    "SearchR1Env": "env", "SearchR1EnvConfig": "env",
-    "EnvStep": "rollout", "MessageEnv": "rollout", "Rollout": "rollout", "RolloutConfig": "rollout",
-    "RolloutEngine": "rollout", "RolloutStatus": "rollout",
-    "response_parser": "parsing",
-    "Generation": "generation", "Generator": "generation", "SamplingParams": "generation",
-    "TransformersGenerator": "generation", "VLLMServerGenerator": "generation",
-    "RewardExactMatch": "rubric", "RewardExactMatchConfig": "rubric", "Rubric": "rubric", "RubricConfig": "rubric",
+    "SearchR1Dataset": "search_r1.data", "SearchR1DatasetConfig": "search_r1.data",
+    "SearchR1Sample": "search_r1.data",
+    "SearchR1Env": "search_r1.env", "SearchR1EnvConfig": "search_r1.env",
+    "EnvStep": "engine.rollout", "MessageEnv": "engine.rollout", "Rollout": "engine.rollout",
+    "RolloutConfig": "engine.rollout", "RolloutEngine": "engine.rollout", "RolloutStatus": "engine.rollout",
+    "response_parser": "engine.parsing",
+    "Generation": "engine.generation", "Generator": "engine.generation", "SamplingParams": "engine.generation",
+    "TransformersGenerator": "engine.generation", "VLLMServerGenerator": "engine.generation",
+    "RewardExactMatch": "search_r1.rubric", "RewardExactMatchConfig": "search_r1.rubric",
+    "Rubric": "search_r1.rubric", "RubricConfig": "search_r1.rubric",
     "SearchR1Config": "recipe", "SearchR1Task": "recipe", "build_task": "recipe", "load_recipe": "recipe",
     "SearchR1Trainer": "trainer",
 }

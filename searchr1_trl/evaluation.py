@@ -3,9 +3,9 @@
 One definition and one path, shared by the trainer's validation (:meth:`SearchR1Trainer.evaluate`) and
 ``searchr1-eval``:
 
-- **EM** is :meth:`~searchr1_trl.rubric.RewardExactMatch.correct`: the SQuAD-normalised final answer is one of the
-  normalised golden answers. It is the rubric's plain EM, without the training reward's levers.
-- **Rollouts** go through the :class:`~searchr1_trl.rollout.RolloutEngine` with the recipe's budgets, greedy
+- **EM** is :meth:`~searchr1_trl.search_r1.rubric.RewardExactMatch.correct`: the SQuAD-normalised final answer is
+  one of the normalised golden answers. It is the rubric's plain EM, without the training reward's levers.
+- **Rollouts** go through the :class:`~searchr1_trl.engine.rollout.RolloutEngine` with the recipe's budgets, greedy
   (:func:`greedy_params`), as many at once as the generator takes; each finished one is handed to ``on_trace`` at
   once, so a caller can write it down before the next finishes (that is what makes ``searchr1-eval`` resumable).
 
@@ -14,13 +14,13 @@ Three methods, as in the paper's table (:data:`METHODS`); they differ only in th
 - ``direct``: closed-book. The question and the answer format (:data:`DIRECT_INSTRUCTION`), no tool, one turn.
 - ``rag``: retrieve-then-read. The top-k passages for the question, from the same retriever with the same top-k as
   the agent, pasted into the prompt and followed by the answer format and the question
-  (:data:`~searchr1_trl.env.RESTATEMENT`), no tool, one turn.
-- ``agent``: the Search-R1 rollout the policy is trained on (:class:`~searchr1_trl.env.SearchR1Env`).
+  (:data:`~searchr1_trl.search_r1.env.RESTATEMENT`), no tool, one turn.
+- ``agent``: the Search-R1 rollout the policy is trained on (:class:`~searchr1_trl.search_r1.env.SearchR1Env`).
 
 A :class:`Trace` is one question's record: the answer, EM, each search (query and passage titles; for ``rag`` the
 one retrieval in the prompt), turns, how the rollout ended and the whole conversation. :func:`summarize` turns
 traces into EM overall and per data source, searches and turns per rollout, and the fraction of rollouts ending in
-each :class:`~searchr1_trl.rollout.RolloutStatus`.
+each :class:`~searchr1_trl.engine.rollout.RolloutStatus`.
 """
 
 from __future__ import annotations
@@ -33,18 +33,23 @@ from pathlib import Path
 
 import httpx
 
-from searchr1_trl.env import (
+from searchr1_trl.engine.generation import (
+    Generator,
+    SamplingParams,
+    TransformersGenerator,
+    VLLMServerGenerator,
+    end_token_ids,
+)
+from searchr1_trl.engine.rollout import EnvStep, MessageEnv, RolloutConfig, RolloutEngine, RolloutStatus
+from searchr1_trl.search_r1.env import (
     QUESTION_SEPARATOR,
     RESTATEMENT,
-    RetrievalClient,
     SearchR1Env,
     SearchR1EnvConfig,
-    _passages_per_query,
     _query_from_arguments,
 )
-from searchr1_trl.generation import Generator, SamplingParams, TransformersGenerator, VLLMServerGenerator, end_token_ids
-from searchr1_trl.rollout import EnvStep, MessageEnv, RolloutConfig, RolloutEngine, RolloutStatus
-from searchr1_trl.rubric import RewardExactMatch, final_answer
+from searchr1_trl.search_r1.retrieval import RetrievalClient, _passages_per_query
+from searchr1_trl.search_r1.rubric import RewardExactMatch, final_answer, normalize_answer, retrieval_surfaced_gold
 
 METHODS = ("direct", "rag", "agent")
 
@@ -91,6 +96,7 @@ class Trace:
     num_turns: int
     status: str  # a RolloutStatus value, or SEARCH_FAILED
     messages: list[dict] = field(default_factory=list)
+    gold_in_first_search: bool | None = None  # whether the first search's passages hold a golden answer; None: none
 
 
 def _searches(messages: Sequence[dict]) -> list[dict]:
@@ -113,6 +119,21 @@ def _searches(messages: Sequence[dict]) -> list[dict]:
     for call, answer in zip(calls, answers, strict=False):
         call["titles"], call["failed"] = passage_titles(answer), not answer
     return calls
+
+
+def _gold_in_first_search(messages: Sequence[dict], golden_answers: Sequence[str]) -> bool | None:
+    """Whether the first search result (a ``search`` tool message) holds a golden answer as whole words; None when
+    the conversation has no search result."""
+    first = next((m for m in messages if m.get("role") == "tool" and m.get("name") == "search"), None)
+    if first is None:
+        return None
+    return retrieval_surfaced_gold([first], {gold for gold in map(normalize_answer, golden_answers) if gold})
+
+
+def _made_second_query(trace: Trace) -> bool:
+    """Whether a later search asked something other than the first (after SQuAD normalisation)."""
+    queries = [normalize_answer(search["query"] or "") for search in trace.searches]
+    return any(query != queries[0] for query in queries[1:])
 
 
 class OneTurnEnv(MessageEnv):
@@ -142,19 +163,22 @@ class Method:
         if self.retrieval is None:
             rollout = await self.engine.rollout(sample, params)
             searches = _searches(rollout.messages)
+            gold_first = _gold_in_first_search(rollout.messages, sample.golden_answers)
         else:
             passages = await self.retrieval.search(sample.question)
             prompt = f"{passages}\n\n{RESTATEMENT.format(question=sample.question)}"
             rollout = await self.engine.rollout(sample, params, messages=[{"role": "user", "content": prompt}])
             searches = [{"query": sample.question, "titles": passage_titles(passages), "failed": not passages},
                         *_searches(rollout.messages)]
+            gold_first = _gold_in_first_search([{"role": "tool", "name": "search", "content": passages}],
+                                               sample.golden_answers)
         failed = any(search["failed"] for search in searches)
         return Trace(
             question=sample.question, golden_answers=list(sample.golden_answers),
             data_source=sample.data_source or "all", method=self.name, answer=final_answer(rollout.messages),
             em=not failed and exact_match(rollout.messages, sample.golden_answers), searches=searches,
             num_turns=rollout.num_turns, status=SEARCH_FAILED if failed else rollout.status.value,
-            messages=rollout.messages,
+            messages=rollout.messages, gold_in_first_search=None if failed else gold_first,
         )
 
     async def aclose(self) -> None:
@@ -203,8 +227,10 @@ async def run(method: Method, samples: Sequence, params: SamplingParams,
 
 
 def summarize(traces: Sequence[Trace]) -> dict[str, float]:
-    """EM overall and per data source (``em/<source>``), searches and turns per rollout, status fractions, and the
-    number of traces with a failed search (``search_failed``).
+    """EM overall and per data source (``em/<source>``), searches and turns per rollout, status fractions, the
+    number of traces with a failed search (``search_failed``), and what a search policy learned:
+    ``second_query_rate`` (a later search asked something else), ``first_search_missed`` (the first search's
+    passages held no golden answer) and ``em_first_search_missed`` (EM of those).
 
     ``em`` is over all traces but those with a failed search (micro); a table's average over data sources is
     :func:`macro_average`.
@@ -223,9 +249,15 @@ def summarize(traces: Sequence[Trace]) -> dict[str, float]:
         "turns_per_rollout": sum(t.num_turns for t in traces) / n,
         **{f"status_{s}": sum(t.status == s for t in traces) / n for s in (*(r.value for r in RolloutStatus),
                                                                                  SEARCH_FAILED)},
+        "second_query_rate": sum(_made_second_query(t) for t in traces if t.searches) / n,
         "num_samples": n,
         "search_failed": n - len(scored),
     }
+    missed = [t for t in scored if t.gold_in_first_search is False]
+    if any(t.gold_in_first_search is not None for t in scored):
+        metrics["first_search_missed"] = len(missed) / len(scored)
+    if missed:
+        metrics["em_first_search_missed"] = sum(t.em for t in missed) / len(missed)
     metrics.update({f"em/{source}": _mean(v) for source, v in sorted(by_source.items())})
     return metrics
 

@@ -56,14 +56,10 @@ def _server_answers(url: str, wait_s: float = 0.0) -> bool:
         time.sleep(1.0)
 
 
-def _true(value) -> bool:
-    """A YAML or command-line boolean: ``True``, ``"true"``, ``"1"``, ``"yes"``."""
-    return str(value).strip().lower() in ("true", "1", "yes")
-
-
 def check_machine(recipe: str, values: dict) -> None:
-    """Raise :class:`PlanError` when the recipe's raw ``values`` (YAML + command line, not yet a config) need CUDA
-    and this machine has none, naming what is needed and what to run instead.
+    """Raise :class:`PlanError` when the recipe's ``values`` (:func:`~searchr1_trl.recipe.recipe_values`: YAML +
+    command line, typed, not yet a config) need CUDA and this machine has none, naming what is needed and what to run
+    instead.
 
     Run before the config is built: ``TrainingArguments`` refuses bf16 without a GPU with "Your setup doesn't support
     bf16/gpu" in a traceback, and TRL's configs default bf16 to on unless fp16 or ``use_cpu`` is set.
@@ -73,9 +69,9 @@ def check_machine(recipe: str, values: dict) -> None:
     if torch.cuda.is_available():
         return
     needs = []
-    fp16 = _true(values.get("fp16", False))
-    bf16 = not fp16 if values.get("bf16") is None else _true(values["bf16"])
-    if (bf16 or fp16) and not _true(values.get("use_cpu", False)):
+    fp16 = values.get("fp16", False)
+    bf16 = not fp16 if values.get("bf16") is None else values["bf16"]
+    if (bf16 or fp16) and not values.get("use_cpu", False):
         needs.append(f"{'bf16' if bf16 else 'fp16'} mixed precision")
     if values.get("weight_sync") == "nccl" and values.get("generator", "vllm") != "transformers":
         needs.append("weight_sync=nccl")

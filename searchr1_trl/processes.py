@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +28,13 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 REAP_GRACE_S = 10.0  # between SIGTERM and SIGKILL of the group
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the kernel's pick), for a server to bind."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

@@ -5,9 +5,9 @@ overrides: TRL's ``GRPOConfig`` with the seed recipe's defaults (DAPO loss with 
 KL and no reference model, group std-normalised advantages, AdamW at lr 1e-6 with 2 warmup steps then constant,
 8 prompts x 8 generations per optimizer step, temperature 1.0, top_p 1.0, 512 tokens per turn), plus one flat field
 per knob of the task's parts. A flat field is declared with :func:`knob`, which takes its default and help text from
-the part's own config (``search_timeout_s`` is :class:`~searchr1_trl.env.SearchR1EnvConfig`'s ``timeout_s``), so
-every default is written once, beside the code it configures, and :data:`KNOBS` says which part each flat field
-sets.
+the part's own config (``search_timeout_s`` is :class:`~searchr1_trl.search_r1.env.SearchR1EnvConfig`'s
+``timeout_s``), so every default is written once, beside the code it configures, and :data:`KNOBS` says which part
+each flat field sets.
 :func:`build_task` is the only place that turns the flat config into parts (torchtitan's ``rollouter.py`` is the
 model): the question streams, the environment, the rollout budgets, the sampling of training turns, the rubric and
 the generator.
@@ -33,9 +33,8 @@ from typing import Any
 from trl import GRPOConfig, ModelConfig, TrlParser
 
 from searchr1_trl.assets import resolve_path
-from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
-from searchr1_trl.env import SearchR1Env, SearchR1EnvConfig
-from searchr1_trl.generation import (
+from searchr1_trl.collapse_guard import CollapseGuardConfig
+from searchr1_trl.engine.generation import (
     Generator,
     SamplingParams,
     TransformersGenerator,
@@ -45,8 +44,10 @@ from searchr1_trl.generation import (
     end_token_ids,
     resolve_generator,
 )
-from searchr1_trl.rollout import RolloutConfig
-from searchr1_trl.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
+from searchr1_trl.engine.rollout import RolloutConfig
+from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
+from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
 from searchr1_trl.warm_start import WarmStartConfig
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ PARTS: dict[str, Any] = {
     "vllm_generator": VLLMServerGeneratorConfig(),
     "transformers_generator": TransformersGeneratorConfig(),
     "warm_start": WarmStartConfig(),  # off: no traces
+    "collapse_guard": CollapseGuardConfig(),  # on wherever training validates
 }
 
 # Knobs of the parts that are no recipe field, because build_task derives them.
@@ -126,6 +128,12 @@ class SearchR1Config(GRPOConfig):
                           "weights in its state and steps those, so small updates are not lost to bf16 rounding, "
                           "while forward and backward run on bf16 weights. Not under DeepSpeed (it does this itself)."},
     )
+    drop_equal_reward_groups: bool = field(
+        default=False,
+        metadata={"help": "DAPO's dynamic sampling without the refill: a group whose rollouts all got the same reward "
+                          "(zero advantage) is left out of the loss and of its token normaliser, so it does not dilute "
+                          "the groups that carry signal; counted as train/dropped_groups."},
+    )
     padding_free: bool = field(
         default=False,
         metadata={"help": "Pack each micro-batch's rollouts without padding (position ids restart per rollout) for the "
@@ -151,6 +159,12 @@ class SearchR1Config(GRPOConfig):
     eval_filename: str = knob("eval_stream", "filename")
     eval_data_source: str | None = knob("eval_stream", "data_source")
     eval_num_samples: int = field(default=500, metadata={"help": "Validation questions (see eval_sample_seed)."})
+    report_num_samples: int = field(
+        default=0,
+        metadata={"help": "Questions of a second validation sample, disjoint from the first (the next rows of the same "
+                          "order), evaluated beside it and logged as report_*: the figure to report, since the best "
+                          "checkpoint is chosen on the first. 0: none."},
+    )
     eval_sample_seed: int | None = field(
         default=None,
         metadata={"help": "None: the first eval_num_samples rows in file order (the seed's slice); a seed: a seeded "
@@ -191,6 +205,12 @@ class SearchR1Config(GRPOConfig):
     warm_start_epochs: float = knob("warm_start", "epochs")
     warm_start_batch_size: int = knob("warm_start", "batch_size")
 
+    # --- collapse guard (searchr1_trl/collapse_guard.py) ---
+    collapse_guard: bool = knob("collapse_guard", "enabled")
+    collapse_em_drop: float = knob("collapse_guard", "em_drop")
+    collapse_searches_drop: float = knob("collapse_guard", "searches_drop")
+    collapse_entropy_drop: float = knob("collapse_guard", "entropy_drop")
+
     # --- generator ---
     generator: str = field(
         default="vllm",
@@ -227,6 +247,12 @@ class SearchR1Config(GRPOConfig):
                 raise ValueError(f"{name}={value!r}: SearchR1Trainer sets {name} itself (to {wanted!r} here); "
                                  f"remove it from the recipe{instead}")
             setattr(self, name, wanted)
+        if self.collapse_guard and self.eval_strategy != "no":
+            if self.metric_for_best_model not in (None, "em", "eval_em"):
+                raise ValueError(f"metric_for_best_model={self.metric_for_best_model!r}: the collapse guard keeps the "
+                                 "best checkpoint by validation EM; remove it or set collapse_guard false")
+            # transformers' own best-checkpoint machinery; it refuses save_steps that are no multiple of eval_steps
+            self.metric_for_best_model, self.greater_is_better, self.load_best_model_at_end = "em", True, True
         for name in ("train_data_path", "eval_data_path", "weight_sync_dir"):
             if getattr(self, name):
                 setattr(self, name, resolve_path(getattr(self, name)))
@@ -282,6 +308,7 @@ class SearchR1Task:
     rubric: Rubric
     generator: Callable[[Any, Any], Generator]  # (model, tokenizer) -> generator: TRL loads the model first
     warm_start: WarmStartConfig  # num_traces 0: none
+    report_samples: list[SearchR1Sample] = field(default_factory=list)  # disjoint from eval_samples
 
 
 def build_task(args: SearchR1Config) -> SearchR1Task:
@@ -303,9 +330,15 @@ def build_task(args: SearchR1Config) -> SearchR1Task:
         def generator(model, tokenizer) -> Generator:
             return TransformersGenerator(model, tokenizer, **asdict(in_process))
 
+    held_out = SearchR1Dataset(eval_stream).take(args.eval_num_samples + args.report_num_samples) if validates else []
+    if args.report_num_samples and len(held_out) < args.eval_num_samples + args.report_num_samples:
+        raise ValueError(f"eval_num_samples={args.eval_num_samples} + report_num_samples={args.report_num_samples} "
+                         f"asks for more questions than {eval_stream.data_path or eval_stream.filename} holds "
+                         f"({len(held_out)})")
     return SearchR1Task(
         train_stream=SearchR1Dataset(part_config(args, "train_stream")),
-        eval_samples=SearchR1Dataset(eval_stream).take(args.eval_num_samples) if validates else [],
+        eval_samples=held_out[:args.eval_num_samples],
+        report_samples=held_out[args.eval_num_samples:],
         env=SearchR1Env(part_config(args, "env")),
         rollout=part_config(args, "rollout"),
         sampling=replace(part_config(args, "sampling"), temperature=args.temperature, top_p=args.top_p),
@@ -325,6 +358,23 @@ def recipe_path(name: str) -> Path:
         known = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
         raise ValueError(f"recipe {name!r} is neither a file nor one of the shipped recipes ({CONFIGS}): {known}")
     return candidate
+
+
+def recipe_values(argv: list[str]) -> dict[str, Any]:
+    """Every field ``--config <recipe> [--field value ...]`` sets, typed by :func:`load_recipe`'s parser but not yet a
+    config: what the plan check reads first, since building the config runs ``TrainingArguments``' own checks (bf16
+    without a GPU fails there in a traceback that names neither the recipe nor what to run instead)."""
+    import yaml
+
+    argv = list(argv)
+    parser = TrlParser((SearchR1Config, ModelConfig))
+    if "--config" in argv:
+        i = argv.index("--config")
+        values = yaml.safe_load(recipe_path(argv[i + 1]).read_text()) or {}
+        values.pop("env", None)  # environment variables for the run, not fields
+        parser.set_defaults_with_config(**values)
+        del argv[i:i + 2]
+    return vars(parser.parse_known_args(argv)[0])
 
 
 def load_recipe(argv: list[str] | None = None) -> tuple[SearchR1Config, ModelConfig]:

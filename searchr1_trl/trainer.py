@@ -1,29 +1,43 @@
 """SearchR1Trainer: TRL's GRPOTrainer with the Search-R1 question stream, multi-turn rollouts and EM rubric plugged in.
 
 What this subclass decides, and nothing more:
-- **Questions** come from the endless, seeded :class:`~searchr1_trl.data.SearchR1Dataset`, not a sampler over a
-  map-style dataset, so a resumed run continues the exact question sequence (its state is saved in every
+- **Questions** come from the endless, seeded :class:`~searchr1_trl.search_r1.data.SearchR1Dataset`, not a sampler
+  over a map-style dataset, so a resumed run continues the exact question sequence (its state is saved in every
   checkpoint next to the optimizer's).
 - **A checkpoint is complete or ignored**: the stream state is written (atomically) first, a
   :data:`CHECKPOINT_COMPLETE_FILE` marker last, and older checkpoints are rotated away only after the marker, so a
   kill at any moment leaves a complete checkpoint; ``resume_from_checkpoint=True`` takes the newest complete one.
-- **The weight-sync folder is the trainer's**: it is replaced on every push, so a folder that holds anything the
-  trainer did not write (no :data:`WEIGHT_SYNC_MARKER`) is refused, never deleted.
-- **Rollouts** go through TRL's ``rollout_func`` hook: the generic :class:`~searchr1_trl.rollout.RolloutEngine`
-  drives :class:`~searchr1_trl.env.SearchR1Env`; the returned ``env_mask`` keeps tool tokens out of the loss.
-- **Rewards** are the :class:`~searchr1_trl.rubric.Rubric`, a plain TRL reward function.
-- **Generator weights** are pushed after every optimizer step: through TRL's NCCL path (``weight_sync="nccl"``,
-  CUDA clusters) or by saving safetensors to a folder the vLLM server reloads in place (``weight_sync="reload"``,
-  works without CUDA). The in-process generator (``generator="transformers"``) uses the live model, no sync.
+- **Rollouts** go through TRL's ``rollout_func`` hook: the generic :class:`~searchr1_trl.engine.rollout.RolloutEngine`
+  drives :class:`~searchr1_trl.search_r1.env.SearchR1Env`; the returned ``env_mask`` keeps tool tokens out of the loss.
+- **Rewards** are the :class:`~searchr1_trl.search_r1.rubric.Rubric`, a plain TRL reward function.
+- **Generator weights** are pushed once per optimizer step, before its rollouts or a validation, by the
+  :mod:`searchr1_trl.weight_sync` push the recipe names (TRL's NCCL path or a safetensors folder the vLLM server
+  reloads). The in-process generator (``generator="transformers"``) uses the live model, no sync.
 - **Validation** is greedy rollouts over a fixed held-out slice, logged as EM overall and per data source.
 - **Two throughput levers of the policy update** (:mod:`searchr1_trl.update`, both off by default):
   ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer) and ``padding_free`` (rollouts packed without
   padding for the log-prob forward); the loss, tool tokens masked, is TRL's either way.
+- **The saved model is the best validated one** (:mod:`searchr1_trl.collapse_guard`): a collapse stops training and
+  it ends on the best checkpoint by validation EM, step 0 included; ``report_num_samples`` questions disjoint from
+  the validation sample are evaluated beside it, as the figure to report.
+- **DAPO's dynamic sampling** (``drop_equal_reward_groups``): groups without reward spread leave the loss.
 - **An optimizer step with NaN/inf gradients is skipped** (:class:`NonFiniteGradientGuard`), not applied.
 - **Connections are closed**: the event loop rollouts run on, the generator's and the retriever's pooled clients are
   opened by ``train()`` (or a standalone ``evaluate()``) and closed when it returns, also on an error.
 
 The recipe (:class:`~searchr1_trl.recipe.SearchR1Config`) and the parts it builds live in :mod:`searchr1_trl.recipe`.
+
+The private surface of TRL 1.16.0 and transformers 5.24.0 this module relies on (``tests/test_trl_surface.py``
+fails, naming the entry, when the installed versions are not the pinned ones or an entry is gone):
+
+- ``trl.GRPOTrainer._get_per_token_logps_and_entropies``: overridden, packs the rows for ``padding_free``.
+- ``trl.GRPOTrainer._generate``: overridden, pushes the weights first, so TRL's own NCCL push finds them loaded.
+- ``transformers.Trainer._save_checkpoint``: overridden, stream state first, completeness marker last, rotation after.
+- ``transformers.Trainer._get_output_dir``: called, the run folder a checkpoint goes to.
+- ``transformers.trainer.rotate_checkpoints``: called, once the marker is written.
+- ``trl.GRPOTrainer._metrics``: appended to, the per-mode metric lists TRL averages and logs.
+- ``trl.GRPOTrainer._last_loaded_step``: written after our NCCL push, so TRL skips its own.
+- ``trl.GRPOTrainer.vllm_generation``: TRL's vLLM client, whose ``sync_weights`` is the NCCL push.
 """
 
 from __future__ import annotations
@@ -33,12 +47,8 @@ import contextlib
 import json
 import logging
 import os
-import re
-import shutil
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -53,19 +63,19 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
 from searchr1_trl import evaluation
-from searchr1_trl.data import SearchR1Dataset, SearchR1Sample
-from searchr1_trl.env import SearchR1Env
-from searchr1_trl.generation import SamplingParams
-from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task
-from searchr1_trl.rollout import Rollout, RolloutEngine
+from searchr1_trl.collapse_guard import CollapseGuard
+from searchr1_trl.engine.generation import SamplingParams
+from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
+from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task, part_config
+from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1Sample
+from searchr1_trl.search_r1.env import SearchR1Env
 from searchr1_trl.update import packed_forward, with_fp32_master_weights
-from searchr1_trl.vllm_server import reload_weights
+from searchr1_trl.weight_sync import weight_push
 
 logger = logging.getLogger(__name__)
 
 STREAM_STATE_FILE = "question_stream.json"
 CHECKPOINT_COMPLETE_FILE = "searchr1_checkpoint_complete"  # written last: the checkpoint can be resumed from
-WEIGHT_SYNC_MARKER = ".searchr1_weight_sync"  # in every weight-sync folder the trainer writes
 MAX_CONSECUTIVE_NONFINITE_STEPS = 3
 
 
@@ -158,8 +168,14 @@ class SearchR1Trainer(GRPOTrainer):
             peft_config=peft_config, rollout_func=self._rollout_func, **kwargs,
         )
         self.add_callback(NonFiniteGradientGuard(self._metrics["train"]))
+        self.collapse_guard = None
+        if args.collapse_guard and args.load_best_model_at_end:  # set by the recipe wherever training validates
+            self.collapse_guard = CollapseGuard(part_config(args, "collapse_guard"))
+            self.add_callback(self.collapse_guard)
         self.engine = RolloutEngine(self.processing_class, self.task.generator(self.model, self.processing_class),
                                     self.env, self.task.rollout)
+        self.weight_push = (weight_push(args, self.accelerator, getattr(self, "vllm_generation", None))
+                            if args.generator == "vllm" else None)
 
     # ---- policy update -----------------------------------------------------------------------------------------
 
@@ -191,6 +207,24 @@ class SearchR1Trainer(GRPOTrainer):
             aux_losses.append(outputs.aux_loss)
         return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None,
                 torch.stack(aux_losses).mean() if compute_aux_loss else None)
+
+    def _generate_and_score_completions(self, inputs):
+        # Extends GRPOTrainer._generate_and_score_completions (TRL 1.16): with drop_equal_reward_groups, a group whose
+        # advantages are all ~0 (equal rewards; TRL divides by std + 1e-4, so float noise stays far below 0.01 while
+        # a group with spread has |advantage| ~1) leaves the loss mask and the DAPO token count.
+        output = super()._generate_and_score_completions(inputs)
+        if not (self.args.drop_equal_reward_groups and self.model.training):
+            return output
+        advantages = output["advantages"]
+        if advantages.numel() % self.num_generations:
+            raise ValueError(f"drop_equal_reward_groups: this process holds {advantages.numel()} rollouts, not whole "
+                             f"groups of num_generations={self.num_generations}")
+        keep = (advantages.view(-1, self.num_generations).abs() > 0.01).any(dim=1)
+        self._metrics["train"]["train/dropped_groups"].append(1.0 - keep.float().mean().item())
+        output["completion_mask"] = output["completion_mask"] * keep.repeat_interleave(self.num_generations)[:, None]
+        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
+        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        return output
 
     # ---- rollouts ----------------------------------------------------------------------------------------------
 
@@ -244,10 +278,9 @@ class SearchR1Trainer(GRPOTrainer):
 
     def _log_rollouts(self, mode: str, rollouts: list[Rollout], seconds: float) -> None:
         metrics = self._metrics[mode]
-        statuses = Counter(r.status.value for r in rollouts)
-        for status in ("done", "truncated_max_turns", "truncated_prompt_too_long", "truncated_length",
-                       "error_parse", "error_timeout"):
-            metrics[f"rollout/status_{status}"].append(statuses[status] / len(rollouts))
+        statuses = Counter(r.status for r in rollouts)
+        for status in RolloutStatus:
+            metrics[f"rollout/status_{status.value}"].append(statuses[status] / len(rollouts))
         metrics["rollout/searches_per_rollout"].append(sum(r.num_tool_calls for r in rollouts) / len(rollouts))
         metrics["rollout/turns_per_rollout"].append(sum(r.num_turns for r in rollouts) / len(rollouts))
         metrics["rollout/generated_tokens"].append(sum(sum(r.env_mask) for r in rollouts))
@@ -274,69 +307,49 @@ class SearchR1Trainer(GRPOTrainer):
         nccl = self.args.weight_sync == "nccl"
         if nccl or self.state.global_step > 0 or self._synced_step >= 0:  # the server starts with step 0's weights
             start = time.perf_counter()
-            if nccl:
-                self.vllm_generation.sync_weights()
-            else:
-                self.push_weights_to_generator()
+            self.weight_push.push(self.model)
             self._metrics["train"]["weight_sync/time_s"].append(time.perf_counter() - start)
         self._synced_step = self.state.global_step
         if nccl:
             self._last_loaded_step = self.state.global_step
 
-    def push_weights_to_generator(self) -> None:
-        """Save the policy (gathered; with PEFT, the layers it trains, merged) as safetensors and have the server
-        reload them in place."""
-        state_dict = self.accelerator.get_state_dict(self.model)
-        if self.accelerator.is_main_process:
-            folder = Path(self.args.weight_sync_dir or Path(self.args.output_dir) / "generator_weights")
-            self.save_generator_weights(state_dict, folder)
-            reload_weights(self.args.generator_url, folder)
-            # Loaded: the folder has done its job, and on tmpfs it is memory until deleted.
-            shutil.rmtree(folder, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-
-    def save_generator_weights(self, state_dict: dict | None, folder: Path) -> None:
-        """Write what the server loads into ``folder`` (replaced whole, never half-written): the policy's weights,
-        or with PEFT the decoder layers it trains, adapters merged in (:func:`_layers_with_trainable_parameters`), in
-        ``weight_sync_dtype`` when set."""
-        dtype = getattr(torch, self.args.weight_sync_dtype) if self.args.weight_sync_dtype else None
-        model = self.accelerator.unwrap_model(self.model)
-        _check_sync_folder_is_ours(folder)
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None))
-        with contextlib.ExitStack() as stack:
-            if hasattr(model, "merge_and_unload"):  # PEFT: ship the layers it trains, with the adapter merged in
-                state_dict = _layers_with_trainable_parameters(stack.enter_context(_merged_peft_state_dict(model)),
-                                                               model)
-                model = model.get_base_model()
-            if dtype is not None:
-                state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        (tmp / WEIGHT_SYNC_MARKER).write_text("written by SearchR1Trainer.push_weights_to_generator\n")
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-
     # ---- validation --------------------------------------------------------------------------------------------
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """The ``agent`` method of :mod:`searchr1_trl.evaluation` over the validation slice: greedy rollouts, EM
-        overall and per data source, searches and turns per rollout, status fractions, via the trainer's log."""
+        """The ``agent`` method of :mod:`searchr1_trl.evaluation` over the validation slice and, beside it in the same
+        pass, the report slice: greedy rollouts, EM overall and per data source, searches and turns per rollout,
+        status fractions and what the search policy learned, as ``<prefix>_*`` and ``report_*`` via the trainer's log.
+        Training's step-0 validation is saved as a best-checkpoint candidate when the collapse guard is on."""
         self._sync_generator_weights()
-        local = self.eval_samples[self.accelerator.process_index::self.accelerator.num_processes]
+        held_out = [(metric_key_prefix, s) for s in self.eval_samples]
+        held_out += [("report", s) for s in self.task.report_samples]
+        local = held_out[self.accelerator.process_index::self.accelerator.num_processes]
         start = time.perf_counter()
         progress = tqdm(total=len(local), desc="validation rollouts", unit="rollout", leave=False,
                         disable=not self.is_local_process_zero())
         traces = self._run_on_generator(evaluation.run(
-            evaluation.Method("agent", self.engine), local, evaluation.greedy_params(self.task.sampling.max_tokens),
+            evaluation.Method("agent", self.engine), [sample for _, sample in local],
+            evaluation.greedy_params(self.task.sampling.max_tokens),
             on_trace=lambda index, trace: progress.update(), max_concurrency=self.args.generator_max_concurrency,
         ))
         progress.close()
         # Only what the summary needs crosses processes; the conversations stay where they were generated.
-        traces = gather_object([replace(trace, messages=[]) for trace in traces])
-        summary = evaluation.summarize(traces)
-        metrics = {f"{metric_key_prefix}_{key}": value for key, value in summary.items()}
+        named = gather_object([(name, replace(trace, messages=[])) for (name, _), trace in zip(local, traces,
+                                                                                                strict=True)])
+        metrics = {}
+        for name in dict.fromkeys(name for name, _ in held_out):
+            summary = evaluation.summarize([trace for n, trace in named if n == name])
+            metrics.update({f"{name}_{key}": value for key, value in summary.items()})
         metrics[f"{metric_key_prefix}_runtime"] = time.perf_counter() - start
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        if self.collapse_guard is not None and self.collapse_guard.wants_start_checkpoint(self.state):
+            # transformers saves (and ranks) checkpoints only after optimizer steps; the start can be the best.
+            self._determine_best_metric(metrics=metrics, trial=None)
+            self._save_checkpoint(self.model_wrapped, trial=None)
+            # transformers 5.24 reads best_global_step 0 as "none" and would not record this checkpoint as the best
+            run_dir = Path(self._get_output_dir(trial=None))
+            self.state.best_model_checkpoint = str(run_dir / f"{PREFIX_CHECKPOINT_DIR}-0")
         return metrics
 
     # ---- data, checkpoint and resume ---------------------------------------------------------------------------
@@ -379,7 +392,13 @@ class SearchR1Trainer(GRPOTrainer):
             state_file = Path(resume_from_checkpoint) / STREAM_STATE_FILE
             self.train_stream.load_state_dict(json.loads(state_file.read_text()))
         with self._event_loop():
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        best = self.state.best_global_step
+        if self.args.load_best_model_at_end and best is not None and best != self.state.global_step:
+            logger.warning("training ends on the best checkpoint: step %d (validation EM %.3f), not the last step %d",
+                           best, self.state.best_metric, self.state.global_step)
+            self._synced_step = -1  # the server holds the last step's weights: push the restored ones next time
+        return output
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card plus what a Search-R1 checkpoint needs to be reproduced: recipe, data, retriever, final EM."""
@@ -389,6 +408,9 @@ class SearchR1Trainer(GRPOTrainer):
             return
         evals = [entry for entry in self.state.log_history if "eval_em" in entry]
         final_em = f"{evals[-1]['eval_em']:.3f} at step {evals[-1]['step']}" if evals else "not evaluated"
+        if self.args.load_best_model_at_end and self.state.best_global_step is not None:
+            final_em = (f"{self.state.best_metric:.3f} at step {self.state.best_global_step} (the best validated "
+                        f"checkpoint, which this model is; last step: {final_em})")
         args = self.args
         section = "\n".join([
             "", "## Search-R1 recipe", "",
@@ -411,47 +433,6 @@ class SearchR1Trainer(GRPOTrainer):
         ])
         with open(os.path.join(args.output_dir, "README.md"), "a") as f:
             f.write(section)
-
-
-@contextlib.contextmanager
-def _merged_peft_state_dict(model) -> Iterator[dict[str, torch.Tensor]]:
-    """Base-model state dict with the LoRA deltas merged in, under the base model's own parameter names; valid inside
-    the ``with`` block only. The tensors are the model's own, merged in place and unmerged on exit: no copy of the
-    model is made (a copy cost the CPU recipe's trainer 2.43 GB more at every sync, writing in place 0.1 GB:
-    ``python -m benchmarks.lora_sync_memory``)."""
-    model.merge_adapter()
-    try:
-        yield {name.removeprefix("base_model.model.").replace(".base_layer", ""): tensor.detach()
-               for name, tensor in model.state_dict().items() if "lora_" not in name}
-    finally:
-        model.unmerge_adapter()
-
-
-_DECODER_LAYER = re.compile(r"^(.*\.layers\.\d+)\.")
-
-
-def _layers_with_trainable_parameters(state_dict: dict[str, torch.Tensor], peft_model) -> dict[str, torch.Tensor]:
-    """The entries of a merged PEFT ``state_dict`` that lie in a decoder layer holding a trainable parameter, whole
-    layers at a time; ``state_dict`` itself if a trainable parameter lies outside the decoder layers (an embedding,
-    the head) or none is trainable.
-
-    Every other weight is frozen, so a server that started from the base model (as the step-0 weights are never
-    pushed, it must) already holds it. Whole layers because vLLM fuses q/k/v and gate/up into one tensor each and
-    rebuilds a layer only once all of its parts arrived; a layer the folder leaves out keeps its weights (vLLM 0.28's
-    layerwise reload). The CPU recipe's LoRA on layers 16-23 ships 8 of 24 layers: 0.48 of 2.35 GB.
-
-    ``base_model.model.model.layers.16.mlp.up_proj.lora_A.default.weight`` trainable -> every ``model.layers.16.*``.
-    """
-    layers = set()
-    for name, parameter in peft_model.named_parameters():
-        if parameter.requires_grad:
-            layer = _DECODER_LAYER.match(name.removeprefix("base_model.model."))
-            if layer is None:
-                return state_dict
-            layers.add(f"{layer.group(1)}.")
-    if not layers:
-        return state_dict
-    return {name: tensor for name, tensor in state_dict.items() if name.startswith(tuple(layers))}
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -480,13 +461,3 @@ def newest_complete_checkpoint(output_dir: str) -> str | None:
         logger.warning("skipping %s: incomplete (no %s), the run stopped while saving it", folder,
                        CHECKPOINT_COMPLETE_FILE)
     return None
-
-
-def _check_sync_folder_is_ours(folder: Path) -> None:
-    """ValueError if ``folder`` exists with content the trainer did not write: every push replaces it whole."""
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / WEIGHT_SYNC_MARKER).exists():
-        found = sorted(p.name for p in folder.iterdir())[:5]
-        raise ValueError(
-            f"weight_sync_dir {folder} holds files this trainer did not write ({', '.join(found)}); every weight "
-            "push replaces the folder, so point weight_sync_dir at an empty or new folder"
-        )

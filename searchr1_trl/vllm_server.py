@@ -58,6 +58,12 @@ class VLLMServerConfig:
                           "rollouts use (its training rollouts average 310 tokens); were all 8 to reach "
                           "max_rollout_tokens (2,048), vLLM would preempt and recompute some: slower, same result."},
     )
+    gpu_kv_cache_gib: float | None = field(
+        default=None,
+        metadata={"help": "KV cache size on GPU builds, in GiB (--kv-cache-memory-bytes); None: what is left of "
+                          "gpu_memory_utilization after vLLM's memory profile. Set it for servers that start side by "
+                          "side on one GPU, so none sizes its cache off another's allocations during its profile."},
+    )
     distributed_executor_backend: str | None = field(
         default=None,
         metadata={"help": "vLLM's executor. `uni` (the CPU default, for_this_machine) runs the model inside the "
@@ -85,6 +91,7 @@ class VLLMServerConfig:
         return cls(model=model, **{**cpu, **overrides})
 
     def command(self) -> list[str]:
+        kv_cache_gib = self.cpu_kv_cache_gib if _cpu_build() else self.gpu_kv_cache_gib
         return [
             sys.executable, "-m", "trl.cli.main", "vllm-serve",
             "--model", self.model, "--host", self.host, "--port", str(self.port),
@@ -96,7 +103,7 @@ class VLLMServerConfig:
             *(["--distributed_executor_backend", self.distributed_executor_backend]
               if self.distributed_executor_backend else []),
             # vLLM's own flag, which trl vllm-serve passes on
-            *(["--kv-cache-memory-bytes", str(int(self.cpu_kv_cache_gib * 2**30))] if _cpu_build() else []),
+            *(["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))] if kv_cache_gib else []),
         ]
 
 

@@ -20,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from searchr1_trl.data import SearchR1Dataset
-from searchr1_trl.generation import Generation, Generator, SamplingParams, end_token_ids
-from searchr1_trl.rollout import Rollout, RolloutEngine, RolloutStatus
-from searchr1_trl.rubric import normalize_answer, retrieval_surfaced_gold
+from searchr1_trl.engine.generation import Generation, Generator, SamplingParams, end_token_ids
+from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
+from searchr1_trl.search_r1.data import SearchR1Dataset
+from searchr1_trl.search_r1.env import SEARCH_TOOL_NAME
+from searchr1_trl.search_r1.rubric import normalize_answer, retrieval_surfaced_gold
 from searchr1_trl.update import with_fp32_master_weights
 from searchr1_trl.vllm_server import reload_weights
 
@@ -85,7 +86,7 @@ async def scripted_trace(tokenizer, env, config, sample, end_ids: set[int]) -> R
     passages contain (the first golden answer when none does; such traces are filtered by :func:`keep`)."""
     messages = env.initial_messages(sample)
     call = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "search", "arguments": {"query": sample.question}}}]}
+        {"type": "function", "function": {"name": SEARCH_TOOL_NAME, "arguments": {"query": sample.question}}}]}
 
     def search(_: list[int]) -> list[int]:
         return assistant_turn_ids(engine, messages, call, end_ids)
@@ -97,7 +98,7 @@ async def scripted_trace(tokenizer, env, config, sample, end_ids: set[int]) -> R
                  f" {normalize_answer(gold)} " in seen]
         reply = {"role": "assistant", "content": (found or list(sample.golden_answers))[0]}
         # The reply's rendering does not depend on the passages' text: a placeholder tool message stands for them.
-        tool = {"role": "tool", "name": "search", "content": "..."}
+        tool = {"role": "tool", "name": SEARCH_TOOL_NAME, "content": "..."}
         return assistant_turn_ids(engine, [*messages, call, tool], reply, end_ids)
 
     engine = RolloutEngine(tokenizer, ScriptedTurns([search, answer]), env, config)

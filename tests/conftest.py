@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,18 +17,13 @@ from pathlib import Path
 import pytest
 
 from retriever_server.launch import RetrieverProcess
+from searchr1_trl.processes import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # SQuAD dev articles whose paragraphs form the small test corpus (and whose questions the tests ask).
 TEST_CORPUS_ARTICLES = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Healthy(BaseHTTPRequestHandler):

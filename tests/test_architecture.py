@@ -13,16 +13,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Lower layers never import higher ones. Same-layer imports are allowed only where listed in SAME_LAYER.
+# Lower layers never import higher ones. A unit is a top-level module or a sub-package (a folder): modules of one
+# folder may import each other (the cycle test still applies); two units of one layer only where listed in SAME_LAYER.
 LAYERS = [
-    {"shapes", "assets", "generation", "parsing", "processes", "vllm_server", "update"},  # leaves: no task, no loop
-    {"rollout"},  # the generic multi-turn loop
-    {"data", "env", "rubric"},  # the Search-R1 task
+    {"shapes", "assets", "processes", "vllm_server", "update", "weight_sync", "collapse_guard"},  # leaves
+    {"engine"},  # the generic multi-turn tool engine: rollout loop, parsing, generation backends
+    {"search_r1"},  # the Search-R1 task: data, env, retrieval client, rubric
     {"warm_start"},  # scripted traces of the task, fine-tuned on before GRPO
     {"recipe", "plan", "evaluation"},  # the flat config, its wiring and its checks; EM tables of a policy
     {"trainer"},  # the TRL trainer
+    {"cli"},  # the console scripts
 ]
-SAME_LAYER: set[tuple[str, str]] = {("vllm_server", "processes")}  # the vLLM launcher runs it under a reaper
+SAME_LAYER: set[tuple[str, str]] = {
+    ("vllm_server", "processes"),  # the vLLM launcher runs it under a reaper
+    ("weight_sync", "vllm_server"),  # a reload push asks the server to load the folder
+}
 
 
 def imported(path: Path) -> set[str]:
@@ -36,23 +41,49 @@ def imported(path: Path) -> set[str]:
     return names
 
 
+def modules(package: str) -> dict[str, Path]:
+    """``{dotted name inside package: source}`` for every module of ``package``, sub-packages included;
+    ``searchr1_trl/engine/rollout.py`` -> ``"engine.rollout"``, a sub-package's ``__init__.py`` -> ``"engine"``."""
+    found = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT / package).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)] = path
+    return found
+
+
 def imports(package: str) -> dict[str, set[str]]:
-    """``{module: modules of the same package it imports}`` for every module of ``package``."""
+    """``{module: modules of the same package it imports}`` for every module of ``package``, by dotted name inside
+    it (``from searchr1_trl.engine import rollout`` is an edge to ``engine.rollout``, not to ``engine``)."""
+    names = modules(package)
     graph = {}
-    for path in sorted((ROOT / package).glob("*.py")):
-        targets = {n.split(".")[1] for n in imported(path) if n.startswith(f"{package}.")}
-        graph[path.stem] = targets - {path.stem}
+    for name, path in names.items():
+        inside = {n.removeprefix(f"{package}.") for n in imported(path) if n.startswith(f"{package}.")}
+        # The deepest known module each import names: "engine.rollout.Rollout" -> "engine.rollout".
+        targets = {max((m for m in names if t == m or t.startswith(f"{m}.")), key=len, default=t) for t in inside}
+        graph[name] = targets - {name}
     return graph
+
+
+def unit(module: str) -> str:
+    """The top-level module or folder ``module`` belongs to: ``"engine.rollout"`` -> ``"engine"``."""
+    return module.split(".")[0]
 
 
 def layer(module: str) -> int:
     if module == "__init__":
         return len(LAYERS)  # the front door re-exports everything
-    return next(i for i, modules in enumerate(LAYERS) if module in modules)
+    return next(i for i, units in enumerate(LAYERS) if unit(module) in units)
 
 
 def test_every_module_of_the_trainer_package_has_a_layer():
-    assert set(imports("searchr1_trl")) - {"__init__"} == set().union(*LAYERS)
+    assert {unit(m) for m in imports("searchr1_trl")} - {"__init__"} == set().union(*LAYERS)
+
+
+def test_the_engine_and_the_task_live_in_their_folders():
+    # "A new task is data + env + rubric" is visible in the tree: the generic engine and the task apart.
+    found = set(modules("searchr1_trl"))
+    assert {"engine.rollout", "engine.parsing", "engine.generation"} <= found
+    assert {"search_r1.data", "search_r1.env", "search_r1.rubric"} <= found
 
 
 def test_no_module_imports_a_higher_layer_or_its_own_layer_unless_listed():
@@ -60,9 +91,19 @@ def test_no_module_imports_a_higher_layer_or_its_own_layer_unless_listed():
         (module, target)
         for module, targets in imports("searchr1_trl").items()
         for target in targets
-        if layer(target) > layer(module) or (layer(target) == layer(module) and (module, target) not in SAME_LAYER)
+        if layer(target) > layer(module)
+        or (layer(target) == layer(module) and unit(target) != unit(module)
+            and (unit(module), unit(target)) not in SAME_LAYER)
     ]
     assert upward == []
+
+
+def test_every_sub_package_is_in_the_wheel():
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "searchr1_trl").rglob("__init__.py")}
+    assert folders - listed == set()
 
 
 def reaches(graph: dict[str, set[str]], start: str, goal: str, seen: frozenset[str] = frozenset()) -> bool:
@@ -78,7 +119,7 @@ def test_there_are_no_import_cycles():
 
 def test_the_retrieval_server_does_not_import_the_trainer_package():
     # It is deployed on its own (often on other machines), with its own dependencies.
-    sources = sorted((ROOT / "retriever_server").glob("*.py"))
+    sources = sorted((ROOT / "retriever_server").rglob("*.py"))
     assert [p.name for p in sources if any(n.split(".")[0] == "searchr1_trl" for n in imported(p))] == []
 
 
@@ -93,7 +134,7 @@ def test_the_front_door_exports_every_public_name_from_its_module():
 def test_importing_a_light_module_does_not_import_trl():
     # The asset command and the parser stay quick to import: the front door imports lazily. The main job's launcher
     # (scripts/offline_job.py) imports the generation and server modules too: with trl it held 0.45 GiB more.
-    code = ("import sys, searchr1_trl.assets, searchr1_trl.parsing, searchr1_trl.generation, "
+    code = ("import sys, searchr1_trl.assets, searchr1_trl.engine.parsing, searchr1_trl.engine.generation, "
             "searchr1_trl.vllm_server, retriever_server.launch; print('trl' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"

@@ -7,7 +7,15 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from searchr1_trl.assets import WIKI_LEADS, AssetError, cache_dir, prepare, verified_member
+from searchr1_trl.assets import (
+    SQUAD_PASSAGES,
+    WIKI_LEADS,
+    AssetError,
+    cache_dir,
+    corpus_slice,
+    prepare,
+    verified_member,
+)
 
 
 def test_prepare_twice_is_a_no_op(offline_assets, caplog):
@@ -46,9 +54,23 @@ def test_corpus_is_wiki18_jsonl_with_every_squad_paragraph(offline_assets):
         rows = [json.loads(line) for line in f]
     assert all(set(row) == {"id", "contents"} and "\n" in row["contents"] for row in rows)
     assert len({row["contents"] for row in rows}) == len(rows)
-    # 20,958 unique SQuAD train+dev paragraphs, then Wikipedia leads as distractors.
-    assert len(rows) > 20958 + 5000
+    # The unique SQuAD train+dev paragraphs, then Wikipedia leads as distractors.
+    assert len(rows) > SQUAD_PASSAGES + 5000
     assert rows[0]["contents"].startswith("University of Notre Dame\n")
+    titles = set(pd.read_parquet(offline_assets.train_questions)["title"]) | set(
+        pd.read_parquet(offline_assets.test_questions)["title"])
+    assert {row["contents"].split("\n", 1)[0] for row in rows[:SQUAD_PASSAGES]} == titles
+
+
+def test_a_corpus_slice_keeps_the_articles_asked_about_and_the_first_leads(offline_assets, tmp_path):
+    import json
+
+    path = tmp_path / "corpus.jsonl"
+    written = corpus_slice(offline_assets.corpus, {"University of Notre Dame"}, 3, path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert written == len(rows)
+    leads = [row["id"] for row in rows if not row["contents"].startswith("University of Notre Dame\n")]
+    assert leads == [str(SQUAD_PASSAGES + i) for i in range(3)] and len(rows) > 3
 
 
 def _wheel_copy(tmp_path):

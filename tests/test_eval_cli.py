@@ -155,7 +155,7 @@ def eval_cli_configs(checkpoint, data, out, generator_url, retriever_url):
 
 @pytest.mark.slow  # builds an index and starts the real retriever
 def test_eval_offline_with_in_process_generation_starts_its_retriever_and_no_vllm(tiny_model_dir, tmp_path):
-    from conftest import free_port
+    from searchr1_trl.processes import free_port
 
     out = tmp_path / "eval"
     subprocess.run([sys.executable, "scripts/eval_offline.py", "--checkpoints", str(tiny_model_dir),

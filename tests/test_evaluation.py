@@ -8,10 +8,10 @@ import json
 import pytest
 
 from searchr1_trl import evaluation
-from searchr1_trl.data import SearchR1Sample
-from searchr1_trl.env import RESTATEMENT, SearchR1EnvConfig
-from searchr1_trl.generation import Generation, Generator
-from searchr1_trl.rollout import RolloutConfig
+from searchr1_trl.engine.generation import Generation, Generator
+from searchr1_trl.engine.rollout import RolloutConfig
+from searchr1_trl.search_r1.data import SearchR1Sample
+from searchr1_trl.search_r1.env import RESTATEMENT, SearchR1EnvConfig
 
 QUESTION = SearchR1Sample("Which NFL team represented the AFC at Super Bowl 50?", ("Denver Broncos",), "squad")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import LOOKUP_TOOL, template_tokenizer
 
-from searchr1_trl.parsing import parse_tool_call_blocks, response_parser
+from searchr1_trl.engine.parsing import parse_tool_call_blocks, response_parser
 
 
 def lookup(query: str) -> dict:
@@ -116,7 +116,7 @@ def test_bare_json_beyond_repair_stays_an_answer(parse):
 @pytest.mark.parametrize(("template", "enable_thinking"),
                          [(None, False), ("qwen3.jinja", False), ("qwen3.jinja", True)])
 def test_a_long_prompt_is_read_as_if_decoded_whole(offline_assets, monkeypatch, template, enable_thinking):
-    import searchr1_trl.parsing
+    import searchr1_trl.engine.parsing
 
     tokenizer = template_tokenizer(offline_assets, template)
     passages = "Doc 1(Title: Été) " + "Paris is the capital of France. " * 40
@@ -129,11 +129,11 @@ def test_a_long_prompt_is_read_as_if_decoded_whole(offline_assets, monkeypatch, 
     turns = [" Paris\n<|im_end|>", "<think>\nHm.\n</think>\n\nParis<|im_end|>",
              '<tool_call>\n{"name": "lookup", "arguments": {"query": "b"}}\n</tool_call><|im_end|>']
     cases = [(tokenizer.encode(turn), prefix) for turn in turns for prefix in (prompt, prefilled)]
-    assert len(prompt) > searchr1_trl.parsing.PREFIX_TAIL_TOKENS
+    assert len(prompt) > searchr1_trl.engine.parsing.PREFIX_TAIL_TOKENS
 
     parse = response_parser(tokenizer, [LOOKUP_TOOL])
     from_tail = [parse(ids, prefix) for ids, prefix in cases]
-    monkeypatch.setattr(searchr1_trl.parsing, "PREFIX_TAIL_TOKENS", 10**9)
+    monkeypatch.setattr(searchr1_trl.engine.parsing, "PREFIX_TAIL_TOKENS", 10**9)
 
     assert from_tail == [parse(ids, prefix) for ids, prefix in cases]
     assert from_tail[0] == {"role": "assistant", "content": "Paris"}

@@ -17,10 +17,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import free_port
 
 from retriever_server.launch import RetrieverProcess
-from searchr1_trl.env import RetrievalClient, SearchR1EnvConfig
+from searchr1_trl.processes import free_port
+from searchr1_trl.search_r1.retrieval import RetrievalClient, RetrievalConfig
 
 
 class FaultyRetriever:
@@ -103,7 +103,7 @@ def search(client: RetrievalClient, *queries: str) -> tuple[list[str], float]:
 
 
 def client_for(url: str, **overrides) -> RetrievalClient:
-    return RetrievalClient(SearchR1EnvConfig(search_url=url, topk=1, retry_backoff_s=0.01, **overrides))
+    return RetrievalClient(RetrievalConfig(search_url=url, topk=1, retry_backoff_s=0.01, **overrides))
 
 
 @pytest.mark.parametrize("behaviour", ["500", "429", "garbage", "wrong shape", "hang", "drip"])
@@ -160,9 +160,9 @@ def test_a_query_that_is_no_valid_text_costs_no_other_search(fault):
 
 
 def test_default_retries_wait_longer_than_a_retriever_restart_and_end_before_the_rollout_step():
-    from searchr1_trl.rollout import RolloutConfig
+    from searchr1_trl.engine.rollout import RolloutConfig
 
-    config = SearchR1EnvConfig()
+    config = RetrievalConfig()
     waits = [min(config.retry_backoff_s * 2 ** i, config.max_backoff_s) for i in range(config.max_retries)]
 
     assert sum(waits) >= 30
@@ -177,7 +177,7 @@ def test_searches_survive_a_retriever_killed_mid_batch_and_restarted(retriever_s
     server = RetrieverProcess(index_path=retriever_server.index_path, corpus_path=retriever_server.corpus_path,
                               retriever_model=retriever_server.retriever_model, port=port,
                               log_file=str(tmp_path / "server.log")).__enter__()
-    client = RetrievalClient(SearchR1EnvConfig(search_url=f"http://127.0.0.1:{port}/retrieve", topk=2))
+    client = RetrievalClient(RetrievalConfig(search_url=f"http://127.0.0.1:{port}/retrieve", topk=2))
     restarted = {}
 
     async def main():

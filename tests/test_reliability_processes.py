@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 
-from searchr1_trl.processes import run_reporting
+from searchr1_trl.processes import free_port, run_reporting
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_COMMANDS = re.compile(r"(trl vllm-serve|searchr1-retriever) ")

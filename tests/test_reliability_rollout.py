@@ -1,7 +1,7 @@
 """Reliability of the rollout path (issue 13, F1 and F2): a malformed turn ends only its own rollout, as
 ``ERROR_PARSE``, and never reaches the environment, the chat template or another rollout's search.
 
-Turns go through the real path: the Qwen2.5 tokenizer, its response parser (searchr1_trl.parsing), the Search-R1
+Turns go through the real path: the Qwen2.5 tokenizer, its response parser (searchr1_trl.engine.parsing), the Search-R1
 environment and the chat template rendering the next prompt. The end-to-end cases search the real retrieval server;
 the property test (>= 10,000 completions) answers searches in-process so it can run that many in CI time.
 Figures go to ``reliability_figures`` (docs/RELIABILITY.md).
@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from searchr1_trl.data import SearchR1Sample
-from searchr1_trl.env import SearchR1Env, SearchR1EnvConfig
-from searchr1_trl.generation import Generation, Generator, SamplingParams
-from searchr1_trl.parsing import response_parser
-from searchr1_trl.rollout import RolloutConfig, RolloutEngine, RolloutStatus
+from searchr1_trl.engine.generation import Generation, Generator, SamplingParams
+from searchr1_trl.engine.parsing import response_parser
+from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine, RolloutStatus
+from searchr1_trl.search_r1.data import SearchR1Sample
+from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
 
 GOOD_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "Super Bowl 50 winner"}}\n</tool_call>'
 F1_SHAPES = {

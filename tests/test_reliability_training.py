@@ -20,8 +20,9 @@ import pytest
 from test_trainer import RecordingStream, small_config
 
 from searchr1_trl import trainer as trainer_module
-from searchr1_trl.data import SearchR1Dataset
+from searchr1_trl import weight_sync
 from searchr1_trl.recipe import build_task, part_config
+from searchr1_trl.search_r1.data import SearchR1Dataset
 from searchr1_trl.trainer import CHECKPOINT_COMPLETE_FILE, SearchR1Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,24 +107,25 @@ def test_the_weight_sync_folder_is_replaced_when_ours_and_refused_when_not(tiny_
     def reload_weights(url, folder):
         reloads.append((Path(folder), sorted(p.name for p in Path(folder).iterdir())))
 
-    monkeypatch.setattr(trainer_module, "reload_weights", reload_weights)
+    monkeypatch.setattr(weight_sync, "reload_weights", reload_weights)
     args = small_config(tmp_path, questions_file, retriever_url, generator="transformers")
     trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args)
     folder = Path(args.weight_sync_dir)
+    push = weight_sync.ReloadPush(trainer.accelerator, "http://127.0.0.1:9", folder)
 
-    trainer.push_weights_to_generator()
+    push.push(trainer.model)
     assert not folder.exists()  # loaded, then deleted: on tmpfs it is memory
     folder.mkdir()  # what a push killed while the server loaded it leaves: its own folder, marker and all
-    (folder / trainer_module.WEIGHT_SYNC_MARKER).touch()
+    (folder / weight_sync.WEIGHT_SYNC_MARKER).touch()
     (folder / "stale.safetensors").touch()
-    trainer.push_weights_to_generator()  # its own folder: replaced
+    push.push(trainer.model)  # its own folder: replaced
     assert [f for f, _ in reloads] == [folder, folder]
     assert all("model.safetensors" in files and "stale.safetensors" not in files for _, files in reloads)
 
     theirs = tmp_path / "notes"
     (theirs / "sub").mkdir(parents=True)
     (theirs / "notes.txt").write_text("mine")
-    trainer.args.weight_sync_dir = str(theirs)
+    push.folder = theirs
     with pytest.raises(ValueError, match=r"notes holds files this trainer did not write \(notes.txt, sub\)"):
-        trainer.push_weights_to_generator()
+        push.push(trainer.model)
     assert (theirs / "notes.txt").read_text() == "mine" and (theirs / "sub").is_dir()

@@ -11,11 +11,11 @@ import asyncio
 import pytest
 import torch
 
-from searchr1_trl.data import SearchR1Sample
-from searchr1_trl.env import SearchR1Env, SearchR1EnvConfig
-from searchr1_trl.generation import SamplingParams, VLLMServerGenerator
-from searchr1_trl.rollout import RolloutConfig, RolloutEngine, RolloutStatus
-from searchr1_trl.rubric import Rubric
+from searchr1_trl.engine.generation import SamplingParams, VLLMServerGenerator
+from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine, RolloutStatus
+from searchr1_trl.search_r1.data import SearchR1Sample
+from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.rubric import Rubric
 
 pytestmark = pytest.mark.slow
 

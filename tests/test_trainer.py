@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from searchr1_trl.data import SearchR1Dataset
 from searchr1_trl.recipe import build_task, part_config
+from searchr1_trl.search_r1.data import SearchR1Dataset
 from searchr1_trl.trainer import STREAM_STATE_FILE, SearchR1Config, SearchR1Trainer
 from searchr1_trl.vllm_server import reload_weights
+from searchr1_trl.weight_sync import save_for_reload, weight_push
 
 # ---- the whole stack -------------------------------------------------------------------------------------------
 
@@ -127,7 +128,7 @@ def test_a_grpo_step_through_the_whole_stack_changes_the_weights_and_syncs_them(
     assert len(changed) > 0.5 * len(before_weights)
     assert trainer.state.log_history[0]["rollout/turns_per_rollout"] == 1
 
-    trainer.push_weights_to_generator()
+    trainer.weight_push.push(trainer.model)
     after = server_logprobs(vllm_server.base_url, offline_assets.model, probe)
     trained = model_logprobs(trainer.model, probe)
     # On CPU the server runs float32 like the trainer: the two compute the same function with different kernels.
@@ -148,8 +149,9 @@ def test_weight_sync_dtype_writes_the_policy_rounded_to_that_dtype(tiny_model_di
     with torch.no_grad():
         for parameter in trainer.model.parameters():  # off the bf16 grid, as trained fp32 weights are
             parameter.add_(torch.randn_like(parameter) * 1e-3)
-    folder = tmp_path / "generator_weights"
-    trainer.save_generator_weights(trainer.accelerator.get_state_dict(trainer.model), folder)
+    push = weight_push(args, trainer.accelerator)
+    push.save(trainer.model)
+    folder = push.folder
     written = load_file(folder / "model.safetensors")
     policy = trainer.model.state_dict()  # lm_head included (tied to the embedding)
     assert {t.dtype for t in written.values()} == {torch.bfloat16}
@@ -180,7 +182,7 @@ def test_a_lora_push_writes_the_trained_layers_whole_with_the_adapters_merged_in
     all its parts) and nothing else, equal to merge_and_unload's; the server already has the frozen rest."""
     trainer = lora_trainer(tiny_model_dir, questions_file, tmp_path, r".*\.layers\.1\..*_proj")
     folder = tmp_path / "generator_weights"
-    trainer.save_generator_weights(None, folder)
+    save_for_reload(trainer.model, None, folder)
     written = load_file(folder / "model.safetensors")
     merged = trainer.model.merge_and_unload().state_dict()
     assert written.keys() == {name for name in merged if name.startswith("model.layers.1.")}
@@ -193,7 +195,7 @@ def test_a_lora_push_writes_every_weight_when_the_adapter_trains_outside_the_dec
         tiny_model_dir, questions_file, tmp_path):
     trainer = lora_trainer(tiny_model_dir, questions_file, tmp_path, ["q_proj", "embed_tokens"])
     folder = tmp_path / "generator_weights"
-    trainer.save_generator_weights(None, folder)
+    save_for_reload(trainer.model, None, folder)
     written = load_file(folder / "model.safetensors")
     assert "model.embed_tokens.weight" in written and "model.layers.0.mlp.up_proj.weight" in written
 
@@ -225,7 +227,7 @@ def test_the_lora_cpu_recipe_pushes_merged_weights_that_the_server_then_samples_
         assert trainer.state.log_history[0]["reward_std"] > 0, "the 4 rollouts were all the same text"
         assert any(not torch.equal(p.detach(), trainable[n]) for n, p in trainer.model.named_parameters()
                    if p.requires_grad)
-        trainer.push_weights_to_generator()
+        trainer.weight_push.push(trainer.model)
         after = server_logprobs(vllm_server.base_url, offline_assets.model, probe)
         trained = model_logprobs(trainer.model.eval(), probe)  # eval: no LoRA dropout
     finally:

@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM
 from trl import ModelConfig
 
 from searchr1_trl.cli.train import train
-from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig
-from searchr1_trl.env import SearchR1Env, SearchR1EnvConfig
-from searchr1_trl.generation import end_token_ids
-from searchr1_trl.rollout import RolloutConfig, RolloutStatus
-from searchr1_trl.rubric import normalize_answer
+from searchr1_trl.engine.generation import end_token_ids
+from searchr1_trl.engine.rollout import RolloutConfig, RolloutStatus
+from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig
+from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.rubric import normalize_answer
 from searchr1_trl.trainer import SearchR1Config
 from searchr1_trl.warm_start import keep, scripted_traces
 

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 from searchr1_trl import evaluation
 from searchr1_trl.cli.eval import PolicyConfig
-from searchr1_trl.data import SearchR1Sample
 from searchr1_trl.recipe import part_config
+from searchr1_trl.search_r1.data import SearchR1Sample
 
 
 @dataclass

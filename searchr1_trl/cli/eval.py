@@ -47,8 +47,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from searchr1_trl import evaluation
-from searchr1_trl.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
 from searchr1_trl.recipe import knob_fields, part_config
+from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
 
 # The recipe's env, rollout and per-turn fields, with its names, defaults and help: the agent runs as it trained.
 PolicyConfig = knob_fields("PolicyConfig", ("env", "rollout", "sampling"))
@@ -72,6 +72,10 @@ class EvalConfig:
         default=None, metadata={"help": "Keep only these data_source values (default: every one in the files)."})
     num_samples: int = field(default=500, metadata={"help": "Questions per data source (all when fewer)."})
     sample_seed: int = field(default=0, metadata={"help": "Seed of the random sample of each data source."})
+    sample_offset: int = field(
+        default=0,
+        metadata={"help": "Skip this many questions of each seeded sample first: `--num_samples 500 --sample_offset "
+                          "500` is a training recipe's report sample (eval_num_samples 500, report_num_samples 500)."})
     methods: list[str] = field(
         default_factory=lambda: list(evaluation.METHODS),
         metadata={"help": f"Any of {', '.join(evaluation.METHODS)}."})
@@ -95,6 +99,8 @@ class EvalConfig:
             raise ValueError(f"generator={self.generator!r}; expected 'vllm' or 'transformers'")
         if self.num_samples < 1:
             raise ValueError(f"num_samples={self.num_samples}; expected >= 1")
+        if self.sample_offset < 0:
+            raise ValueError(f"sample_offset={self.sample_offset}; expected >= 0")
 
 
 # ---- questions -------------------------------------------------------------------------------------------------
@@ -126,7 +132,8 @@ def load_questions(config: EvalConfig) -> list[tuple[str, SearchR1Sample]]:
             stream = SearchR1Dataset(SearchR1DatasetConfig(data_path=path, data_source=source, shuffle=True,
                                                            seed=config.sample_seed))
             label = source or Path(path).stem
-            for position, sample in enumerate(stream.take(config.num_samples)):
+            taken = stream.take(config.sample_offset + config.num_samples)[config.sample_offset:]
+            for position, sample in enumerate(taken, start=config.sample_offset):
                 questions.append((f"{data}|{label}|{position}", replace(sample, data_source=label)))
     if not questions:
         raise ValueError(f"no questions in {config.data} for data_sources={config.data_sources}")

@@ -17,28 +17,9 @@ import sys
 from pathlib import Path
 
 from searchr1_trl.plan import PlanError, check_machine, validate_plan
-from searchr1_trl.recipe import load_recipe, recipe_path
+from searchr1_trl.recipe import load_recipe, recipe_path, recipe_values
 
 logger = logging.getLogger(__name__)
-
-
-def _raw_values(argv: list[str]) -> dict:
-    """The recipe's YAML values with the command line's ``--name value`` / ``--name=value`` / ``--flag`` on top,
-    unparsed: what the plan check reads before any config object (and its checks) exists."""
-    import yaml
-
-    values = {}
-    if "--config" in argv:
-        values.update(yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {})
-    for i, token in enumerate(argv):
-        if not token.startswith("--") or token == "--config":
-            continue
-        name, equals, value = token[2:].partition("=")
-        if not equals:
-            follows = i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            value = argv[i + 1] if follows else "true"
-        values[name.replace("-", "_")] = value
-    return values
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,12 +30,10 @@ def main(argv: list[str] | None = None) -> None:
             i = argv.index("--config") + 1
             argv[i] = str(recipe_path(argv[i]))
         recipe = Path(argv[argv.index("--config") + 1]).stem if "--config" in argv else "command line"
-        # Before the config exists: TrainingArguments refuses bf16 without a GPU in a traceback that names neither
-        # the recipe nor what to run instead.
         if {"-h", "--help"} & set(argv):
             print(__doc__)  # then the fields, from the parser
         else:
-            check_machine(recipe, _raw_values(argv))
+            check_machine(recipe, recipe_values(argv))  # before the config exists: see recipe_values
         try:
             args, model_args = load_recipe(argv)
         except ValueError as error:  # a field the trainer owns, a bad value: one line, not a traceback

@@ -27,7 +27,7 @@ SQuAD script does it, so EM numbers stay comparable with published Search-R1 res
 A :class:`Rubric` sums weighted reward functions and gives ``truncation_reward`` (0.0) to rollouts a budget cut
 short. Every reward function, and the rubric itself, is a TRL reward function:
 ``fn(prompts, completions, *, messages, golden_answers, status=None, **kwargs) -> list[float]``, where ``messages``
-is the whole conversation of each completion and ``status`` its :class:`~searchr1_trl.rollout.RolloutStatus`
+is the whole conversation of each completion and ``status`` its :class:`~searchr1_trl.engine.rollout.RolloutStatus`
 (value), both passed by the trainer's rollout function as extra fields.
 """
 
@@ -40,7 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from searchr1_trl.rollout import RolloutStatus
+from searchr1_trl.engine.rollout import RolloutStatus
+from searchr1_trl.search_r1.env import SEARCH_TOOL_NAME
 
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -79,7 +80,7 @@ def token_f1(answer: str, gold: str) -> float:
 def _made_search_call(messages: Sequence[dict]) -> bool:
     """Whether any assistant message called the ``search`` tool."""
     return any(
-        (call.get("function") or {}).get("name") == "search"
+        (call.get("function") or {}).get("name") == SEARCH_TOOL_NAME
         for message in messages
         if message.get("role") == "assistant"
         for call in message.get("tool_calls") or []
@@ -92,7 +93,7 @@ def retrieval_surfaced_gold(messages: Sequence[dict], golds: set[str]) -> bool:
     ``{"ten"}`` is found in ``"Doc 1(Title: Ten) ten pins"`` but not in ``"Doc 1(Title: Tennis) tennis"``.
     """
     for message in messages:
-        if message.get("role") == "tool" and message.get("name") == "search":
+        if message.get("role") == "tool" and message.get("name") == SEARCH_TOOL_NAME:
             # Pad with spaces so the match is on whole words: " ten " is not inside " tennis ".
             passages = f" {normalize_answer(message.get('content') or '')} "
             if any(f" {gold} " in passages for gold in golds):
@@ -217,7 +218,7 @@ class Rubric:
         return totals
 
     def score(self, rollout: Any) -> float:
-        """The reward of one :class:`~searchr1_trl.rollout.Rollout` (its sample carries ``golden_answers``)."""
+        """The reward of one :class:`~searchr1_trl.engine.rollout.Rollout` (its sample carries ``golden_answers``)."""
         return self(
             [None], [None], messages=[rollout.messages], golden_answers=[rollout.sample.golden_answers],
             status=[rollout.status],

@@ -2,7 +2,7 @@
 
 A task supplies a :class:`MessageEnv` (initial messages, tools, and a ``step`` that answers the latest assistant
 message); the :class:`RolloutEngine` owns everything else. One turn: generate from token ids -> parse the assistant
-message (:mod:`searchr1_trl.parsing`) -> ``env.step`` -> append the environment's messages as tokens -> next
+message (:mod:`searchr1_trl.engine.parsing`) -> ``env.step`` -> append the environment's messages as tokens -> next
 turn.
 
 Token-in/token-out. A rollout's sequence is ``prompt_ids`` followed by ``completion_ids``: the model's generated ids,
@@ -19,7 +19,7 @@ Budgets, checked in this order every turn, decide how a rollout ends (:class:`Ro
 
 - a turn used all its ``max_tokens`` (``finish_reason == "length"``) -> ``TRUNCATED_LENGTH``; a turn's ``max_tokens``
   is also capped so prompt + completion never exceed ``max_rollout_tokens``;
-- the assistant message cannot be parsed (malformed tool-call JSON; the rules: :mod:`searchr1_trl.parsing`) ->
+- the assistant message cannot be parsed (malformed tool-call JSON; the rules: :mod:`searchr1_trl.engine.parsing`) ->
   ``ERROR_PARSE``;
 - ``env.step`` takes longer than ``step_timeout_s`` -> ``ERROR_TIMEOUT``;
 - the environment is done -> ``DONE``;
@@ -44,8 +44,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from searchr1_trl.generation import Generation, Generator, SamplingParams
-from searchr1_trl.parsing import response_parser
+from searchr1_trl.engine.generation import Generation, Generator, SamplingParams
+from searchr1_trl.engine.parsing import response_parser
 
 
 class RolloutStatus(str, enum.Enum):
@@ -123,7 +123,7 @@ class RolloutConfig:
             "help": "Also read an assistant turn that is nothing but JSON objects {\"name\": <one of the env's "
             "tools>, \"arguments\": {...}} (one per line) as tool calls. Some small models (Qwen2.5-Coder-0.5B-"
             "Instruct) call tools this way instead of in their chat template's format (<tool_call>...</tool_call>); "
-            "searchr1_trl/parsing.py says what is repaired."
+            "searchr1_trl/engine/parsing.py says what is repaired."
         },
     )
 

@@ -1,0 +1,164 @@
+"""The learning benchmark: what GRPO adds to the warm start, over several seeds run side by side on one GPU.
+
+    python -m benchmarks.learning run --out runs/learning --seeds 0 1 2 --variant guard= \\
+        --variant kl="--beta 0.04" [--gpu 0] [--kv_cache_gib 3]     # every variant x every seed, all at once
+    python -m benchmarks.learning report runs/learning              # the table again, from the runs' summary.json
+
+Each run is ``scripts/offline_job.py --config offline_gpu --corpus full`` with ``--seed S --data_seed S`` and the
+variant's recipe flags, on its own ports, its vLLM server with a fixed KV cache (``--generator_kv_cache_gib``) so
+servers starting together do not size their caches off each other. Figures come from the **report sample**
+(``report_num_samples`` questions disjoint from the validation sample the collapse guard chooses on): per seed the
+warm start alone (step 0), the last step, and the checkpoint the run ended on; per variant mean, standard deviation
+and minimum of the gains over the warm start. ``report`` writes ``learning.json`` and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_name(variant: str, seed: int) -> str:
+    return f"{variant}_s{seed}"
+
+
+def launch(args) -> None:
+    variants = dict(v.split("=", 1) if "=" in v else (v, "") for v in args.variant)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    grid = [(variant, flags, seed) for variant, flags in variants.items() for seed in args.seeds]
+    for i, (variant, flags, seed) in enumerate(grid):
+        folder = out / run_name(variant, seed)
+        port = args.base_port + 10 * i
+        command = [
+            sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--config", args.config, "--corpus", "full",
+            "--output_dir", str(folder), "--generator_gpu", args.gpu, "--trainer_gpu", args.gpu,
+            "--retriever_gpu", args.gpu, "--retriever_port", str(port), "--generator_port", str(port + 1),
+            "--generator_gpu_memory_utilization", str(args.gpu_memory_utilization),
+            "--generator_kv_cache_gib", str(args.kv_cache_gib), *(["--generator_enforce_eager"] if args.eager else []),
+            "--seed", str(seed), "--data_seed", str(seed), *shlex.split(flags),
+        ]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "command.json").write_text(json.dumps({"variant": variant, "flags": flags, "seed": seed,
+                                                          "command": command}))
+        log = open(folder / "job.log", "w")  # noqa: SIM115 - held open for the job's lifetime
+        jobs.append((folder, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)))
+        time.sleep(args.stagger_s)  # the index builds and model loads overlap less
+    failed = [str(folder) for folder, job in jobs if job.wait() != 0]
+    report(out)
+    if failed:
+        sys.exit(f"error: {len(failed)} of {len(jobs)} runs failed: {', '.join(failed)} (see their job.log)")
+
+
+def _spread(values: list[float]) -> dict[str, float | None]:
+    return {"mean": round(statistics.mean(values), 4) if values else None,
+            "sd": round(statistics.stdev(values), 4) if len(values) > 1 else None,
+            "min": round(min(values), 4) if values else None, "n": len(values)}
+
+
+def runs(out: Path) -> list[dict]:
+    """One record per finished run under ``out``: the report-sample EM at the warm start, the last step and the
+    checkpoint the run ended on, with what the agent learned there."""
+    records = []
+    for folder in sorted(p for p in out.iterdir() if (p / "command.json").exists()):
+        meta = json.loads((folder / "command.json").read_text())
+        summary_file = folder / "summary.json"
+        if not summary_file.exists():
+            records.append({**meta, "run": folder.name, "finished": False})
+            continue
+        summary = json.loads(summary_file.read_text())
+        evals = {e["step"]: e for e in summary["evals"]}
+        start, last = evals[min(evals)], evals[max(evals)]
+        best_step = summary.get("best_step")
+        chosen = evals.get(best_step, last)
+        records.append({
+            **meta, "run": folder.name, "finished": True, "steps": summary["steps"],
+            "train_runtime_s": summary.get("train_runtime_s"), "best_step": best_step,
+            "eval_em": {"start": start.get("eval_em"), "last": last.get("eval_em"), "chosen": chosen.get("eval_em")},
+            "report_em": {"start": start.get("report_em"), "last": last.get("report_em"),
+                          "chosen": chosen.get("report_em")},
+            "learned": {key: chosen.get(f"report_{key}") for key in (
+                "searches_per_rollout", "second_query_rate", "first_search_missed", "em_first_search_missed")},
+            "learned_start": {key: start.get(f"report_{key}") for key in (
+                "searches_per_rollout", "second_query_rate", "first_search_missed", "em_first_search_missed")},
+            "train_searches_by_step": summary.get("train_searches_by_step"),
+        })
+    return records
+
+
+def report(out: Path) -> dict:
+    records = runs(out)
+    table = {}
+    for variant in dict.fromkeys(r["variant"] for r in records):
+        done = [r for r in records if r["variant"] == variant and r["finished"] and r["report_em"]["start"] is not None]
+        gains_last = [r["report_em"]["last"] - r["report_em"]["start"] for r in done]
+        gains_chosen = [r["report_em"]["chosen"] - r["report_em"]["start"] for r in done]
+        table[variant] = {
+            "flags": next(r["flags"] for r in records if r["variant"] == variant),
+            "seeds": [r["seed"] for r in done], "unfinished": [r["run"] for r in records
+                                                               if r["variant"] == variant and not r["finished"]],
+            "warm_start": _spread([r["report_em"]["start"] for r in done]),
+            "last": _spread([r["report_em"]["last"] for r in done]),
+            "chosen": _spread([r["report_em"]["chosen"] for r in done]),
+            "gain_last": _spread(gains_last), "gain_chosen": _spread(gains_chosen),
+        }
+    (out / "learning.json").write_text(json.dumps({"variants": table, "runs": records}, indent=2))
+    print("| variant | flags | seed | warm start | last step | chosen (step) | gain last | gain chosen | "
+          "searches | 2nd query | EM when 1st search missed |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in records:
+        if not r["finished"]:
+            print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | unfinished | | | | | | | |")
+            continue
+        em, learned = r["report_em"], r["learned"]
+
+        def fmt(value):
+            return "-" if value is None else f"{value:.3f}"
+        print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | {fmt(em['start'])} | {fmt(em['last'])} | "
+              f"{fmt(em['chosen'])} ({r['best_step']}) | {em['last'] - em['start']:+.3f} | "
+              f"{em['chosen'] - em['start']:+.3f} | {fmt(learned['searches_per_rollout'])} | "
+              f"{fmt(learned['second_query_rate'])} | {fmt(learned['em_first_search_missed'])} |")
+    for variant, row in table.items():
+        print(f"{variant}: gain of the last step {row['gain_last']}, of the chosen checkpoint {row['gain_chosen']}; "
+              f"warm start {row['warm_start']}")
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="every variant x every seed side by side, then the report")
+    run.add_argument("--out", default="runs/learning")
+    run.add_argument("--config", default="offline_gpu")
+    run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    run.add_argument("--variant", action="append", default=[],
+                     help="NAME=\"recipe flags\" (repeat); NAME= alone runs the recipe as committed")
+    run.add_argument("--gpu", default=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
+    run.add_argument("--gpu_memory_utilization", type=float, default=0.08)
+    run.add_argument("--kv_cache_gib", type=float, default=3.0)
+    run.add_argument("--base_port", type=int, default=8100)
+    run.add_argument("--stagger_s", type=float, default=5.0)
+    run.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs (starts faster)")
+    rep = sub.add_parser("report", help="the table from finished runs")
+    rep.add_argument("out")
+    args = parser.parse_args()
+    if args.command == "run":
+        if not args.variant:
+            parser.error("give at least one --variant NAME=\"flags\"")
+        launch(args)
+    else:
+        report(Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

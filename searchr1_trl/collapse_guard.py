@@ -1,0 +1,116 @@
+"""The collapse guard: GRPO on search rollouts can teach a policy to stop searching, and the saved model must never
+be worse on validation than the best one the run saw.
+
+Measured on one H200 (the offline GPU recipe, 3 seeds): between steps 15 and 30 one seed's searches per rollout fell
+1.00 -> 0.17 and its validation EM 0.376 -> 0.078, far below its own warm start, and the job exited 0. So:
+
+- **The best checkpoint is kept** by validation EM through transformers' own ``load_best_model_at_end`` /
+  ``metric_for_best_model="em"``: every validation step saves, the best checkpoint survives rotation, and training
+  ends on it. The step-0 validation (``eval_on_start``, e.g. right after a warm start) is a candidate too: the
+  trainer saves ``checkpoint-0`` for it (:meth:`CollapseGuard.wants_start_checkpoint`).
+- **A collapse stops training**: validation EM ``em_drop`` or more below the best seen, or searches per rollout
+  below ``searches_drop`` times those of the best checkpoint. One warning line says which, and the best checkpoint
+  is restored.
+- **Training rollouts are watched between validations**: when their searches per rollout fall below
+  ``searches_drop`` times those at the best checkpoint's step, or their token entropy below ``entropy_drop`` times
+  its value there, the guard asks for a validation (and a save) at once instead of waiting for the next one; the
+  validation decides, so a noisy batch alone never stops a run.
+
+It only acts where training validates (``eval_strategy`` not ``no``); the choice is made on the validation sample,
+so figures to report come from another one (``report_num_samples``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CollapseGuardConfig:
+    enabled: bool = field(
+        default=True,
+        metadata={"help": "Keep the best checkpoint by validation EM, stop on a collapse and end on the best "
+                          "checkpoint (needs eval_strategy steps and save_steps a multiple of eval_steps)."},
+    )
+    em_drop: float = field(
+        default=0.05,
+        metadata={"help": "Collapse: validation EM this far (absolute) or more below the best seen."},
+    )
+    searches_drop: float = field(
+        default=0.5,
+        metadata={"help": "Collapse: searches per rollout below this fraction of the best checkpoint's (validation), "
+                          "or of training rollouts at its step (asks for a validation at once)."},
+    )
+    entropy_drop: float = field(
+        default=0.3,
+        metadata={"help": "Token entropy of training rollouts below this fraction of its value at the best "
+                          "checkpoint's step asks for a validation at once."},
+    )
+
+    def __post_init__(self):
+        if self.em_drop <= 0:
+            raise ValueError(f"collapse_em_drop={self.em_drop}; expected > 0 (an absolute EM drop, e.g. 0.05)")
+        for name in ("searches_drop", "entropy_drop"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"collapse_{name}={getattr(self, name)}; expected a fraction in [0, 1)")
+
+
+class CollapseGuard(TrainerCallback):
+    """See the module docstring. ``collapse`` holds the warning of the collapse that stopped training, if any."""
+
+    def __init__(self, config: CollapseGuardConfig):
+        self.config = config
+        self.training = False
+        self.best: dict | None = None  # {"step", "em", "searches", and the training rollouts' at that step}
+        self.train_at: dict[int, dict[str, float]] = {}  # step -> the training signals logged at it
+        self.collapse: str | None = None
+
+    def wants_start_checkpoint(self, state) -> bool:
+        """Whether the validation just run is training's step-0 one, which must be saved as a candidate."""
+        return self.training and state.global_step == 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.training = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.training = False
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        signals = {key: logs[key] for key in ("rollout/searches_per_rollout", "entropy") if key in (logs or {})}
+        if not self.training or not signals or "eval_em" in logs:
+            return
+        self.train_at[state.global_step] = signals
+        reference = self.train_at.get(self.best["step"], {}) if self.best else {}
+        for key, fraction in (("rollout/searches_per_rollout", self.config.searches_drop),
+                              ("entropy", self.config.entropy_drop)):
+            if key in signals and reference.get(key) and signals[key] < fraction * reference[key]:
+                logger.warning("collapse guard: step %d training %s %.3f < %.2f x %.3f at the best step %d: "
+                               "validating now", state.global_step, key, signals[key], fraction, reference[key],
+                               self.best["step"])
+                control.should_evaluate = control.should_save = True
+                return
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if not self.training or "eval_em" not in (metrics or {}):
+            return
+        em, searches = metrics["eval_em"], metrics.get("eval_searches_per_rollout", 0.0)
+        if self.best is None or em > self.best["em"]:
+            self.best = {"step": state.global_step, "em": em, "searches": searches}
+            return
+        reasons = []
+        if em <= self.best["em"] - self.config.em_drop:
+            reasons.append(f"validation EM {em:.3f} is {self.best['em'] - em:.3f} below the best {self.best['em']:.3f}")
+        if self.best["searches"] and searches < self.config.searches_drop * self.best["searches"]:
+            reasons.append(f"searches per rollout {searches:.2f} < {self.config.searches_drop} x "
+                           f"{self.best['searches']:.2f}")
+        if reasons:
+            self.collapse = (f"collapse guard: step {state.global_step}: {' and '.join(reasons)} (best: step "
+                             f"{self.best['step']}); training stops and ends on the step-{self.best['step']} "
+                             f"checkpoint")
+            logger.warning(self.collapse)
+            control.should_training_stop = True

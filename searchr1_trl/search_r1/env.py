@@ -1,0 +1,147 @@
+"""The Search-R1 environment: where a question becomes a prompt and a tool call becomes passages.
+
+The prompt is one user message, :data:`INSTRUCTION` then the question; the chat template adds :data:`SEARCH_TOOL`
+to the system message (Qwen2.5 and Qwen3 inject tools there, so keeping the instruction in the user message leaves
+the template's own system prompt intact). A turn without tool calls is the final answer and ends the rollout; a
+turn with tool calls gets one ``tool`` message per call, all calls run concurrently. A search result is the top
+``topk`` passages, one per line: ``Doc 1(Title: <title>) <text>``; with ``restate_question`` they are followed by
+:data:`RESTATEMENT` (the answer format and the question again), for small models that lose the question behind
+long passages (Qwen2.5-Coder-0.5B, greedy, right after one search: EM 0/24 without it, 2/24 with it, 12/24 with
+the same passages pasted into the prompt; ``benchmarks/answer_formats.py``).
+
+Retrieval is :class:`~searchr1_trl.search_r1.retrieval.RetrievalClient`'s (one pooled, batching, retrying client
+per env); a search that fails gives the model an empty result and is counted in :meth:`SearchR1Env.metrics`.
+
+Malformed calls are answered, not raised: arguments that are not a JSON object with a non-empty string ``query``
+(whether they arrive as a dict or a JSON string) send nothing and get :data:`EMPTY_QUERY_MESSAGE`; a call of any
+other tool gets a message naming the unknown tool. Both are counted, so the model learns the call was wrong and the
+logs show how often it happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+from searchr1_trl.engine.rollout import EnvStep, MessageEnv
+from searchr1_trl.search_r1.retrieval import RetrievalClient, RetrievalConfig, is_text, valid_text
+
+SEARCH_TOOL_NAME = "search"
+
+SEARCH_TOOL: dict = {
+    "type": "function",
+    "function": {
+        "name": SEARCH_TOOL_NAME,
+        "description": (
+            "Search a Wikipedia-derived knowledge base and return the top passages for a query. "
+            "Use it whenever you need external facts to answer the question."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string", "description": "The natural-language search query."}},
+            "required": ["query"],
+        },
+    },
+}
+
+INSTRUCTION = (
+    "Answer the question below. Whenever you are not sure of a fact, call the search tool to look it up; you may "
+    "search several times. When you know the answer, reply with only the answer: an entity or a short phrase, "
+    "not a sentence and no explanation (for example: Beijing)."
+)
+
+RESTATEMENT = (
+    "Answer the question using the passages above. Reply with only the answer: an entity or a short phrase.\n\n"
+    "Question: {question}"
+)
+
+QUESTION_SEPARATOR = "\n\nQuestion: "
+
+EMPTY_QUERY_MESSAGE = 'Error: search needs a non-empty string argument "query"; nothing was searched.'
+
+
+@dataclass
+class SearchR1EnvConfig(RetrievalConfig):
+    restate_question: bool = field(
+        default=False,
+        metadata={"help": "End every search result with the answer format and the question again (small models "
+                          "lose the question behind long passages; off in the seed recipes)."},
+    )
+
+
+def _query_from_arguments(arguments: dict | str | None) -> str:
+    """The ``query`` argument of a search call, stripped; "" when missing, empty, not valid text (a lone surrogate),
+    not a string or unparseable (also nested too deep for the JSON parser, or an integer too long to convert).
+
+    ``{"query": " Eiffel Tower "}`` and ``'{"query": "Eiffel Tower"}'`` -> ``"Eiffel Tower"``; ``'{"query'`` -> ``""``.
+    """
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):  # ValueError: not JSON, or an integer over 4,300 digits
+            return ""  # counted by the caller as an empty query
+    query = arguments.get("query") if isinstance(arguments, dict) else None
+    return query.strip() if isinstance(query, str) and is_text(query) else ""
+
+
+def _question(messages: list[dict]) -> str:
+    """The question of a conversation: what follows the instruction in the first user message (all of that message
+    when it was not built by :meth:`SearchR1Env.initial_messages`)."""
+    content = next(m.get("content") or "" for m in messages if m["role"] == "user")
+    before, separator, question = content.partition(QUESTION_SEPARATOR)
+    return question if separator else before
+
+
+class SearchR1Env(MessageEnv):
+    """Search-R1 in message space: the question as the prompt, ``search`` as the only tool."""
+
+    def __init__(self, config: SearchR1EnvConfig | None = None):
+        self.config = config or SearchR1EnvConfig()
+        self.tools = [SEARCH_TOOL]
+        self.retrieval = RetrievalClient(self.config)
+        self._counts: Counter[str] = Counter()
+
+    def initial_messages(self, sample) -> list[dict]:
+        return [{"role": "user", "content": f"{INSTRUCTION}{QUESTION_SEPARATOR}{sample.question}"}]
+
+    async def step(self, messages: list[dict]) -> EnvStep:
+        calls = messages[-1].get("tool_calls") or []
+        if not calls:
+            return EnvStep(messages=[], done=True)
+        restatement = RESTATEMENT.format(question=_question(messages)) if self.config.restate_question else ""
+        tool_messages = await asyncio.gather(*(self._run_tool_call(call, restatement) for call in calls))
+        return EnvStep(messages=list(tool_messages), done=False)
+
+    async def _run_tool_call(self, call: dict, restatement: str) -> dict:
+        """The tool message answering one call; ``restatement`` (if any) follows the passages of a search."""
+        function = call.get("function") or {}
+        name = function.get("name")
+        # What the model wrote, as text the chat template can render (str() of deep nesting would recurse).
+        shown = valid_text(name)[:200] if isinstance(name, str) else f"<{type(name).__name__}>"
+        if name != SEARCH_TOOL_NAME:
+            self._counts["unknown_tool_calls"] += 1
+            content = f'Error: unknown tool {shown!r}; the only tool is "{SEARCH_TOOL_NAME}".'
+        elif query := _query_from_arguments(function.get("arguments")):
+            content = await self.retrieval.search(query)
+            if content and restatement:
+                content = f"{content}\n\n{restatement}"
+        else:
+            self._counts["empty_queries"] += 1
+            content = EMPTY_QUERY_MESSAGE
+        tool_message = {"role": "tool", "name": shown, "content": content}
+        if isinstance(call.get("id"), str) and call["id"]:
+            tool_message["tool_call_id"] = valid_text(call["id"])
+        return tool_message
+
+    def metrics(self) -> dict[str, float]:
+        counts, self._counts = self._counts, Counter()
+        return {
+            **self.retrieval.metrics(),
+            "search/empty_queries": counts["empty_queries"],
+            "search/unknown_tool_calls": counts["unknown_tool_calls"],
+        }
+
+    async def aclose(self) -> None:
+        await self.retrieval.aclose()

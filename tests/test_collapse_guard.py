@@ -1,0 +1,141 @@
+"""The collapse guard: a scripted collapse stops training, which ends on the best validated checkpoint (step 0
+included); training-side signals ask for a validation; dynamic sampling drops groups without reward spread."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import TrainerControl, TrainerState
+
+from searchr1_trl import evaluation
+from searchr1_trl.collapse_guard import CollapseGuard, CollapseGuardConfig
+from searchr1_trl.recipe import build_task
+from searchr1_trl.trainer import SearchR1Trainer
+from tests.test_trainer import model_text_reward, small_config
+
+
+def scripted_validation(monkeypatch, ems: list[float], searches: list[float]):
+    """Validation EM and searches per rollout follow the script, one entry per validation (the real rollouts run)."""
+    real, calls = evaluation.summarize, []
+
+    def summarize(traces):
+        metrics = dict(real(traces))
+        if len(traces) == 4:  # the validation sample; the report sample (3 questions) stays real
+            metrics.update(em=ems[len(calls)], searches_per_rollout=searches[len(calls)])
+            calls.append(metrics["em"])
+        return metrics
+
+    monkeypatch.setattr(evaluation, "summarize", summarize)
+    return calls
+
+
+def guarded_trainer(model, tmp_path, questions_file, retriever_url) -> SearchR1Trainer:
+    """Validation and a save after every step of 4; 4 validation questions and 3 report questions."""
+    args = small_config(tmp_path, questions_file, retriever_url, generator="transformers", max_tokens_per_turn=8,
+                        max_turns=1, learning_rate=1e-3, max_steps=4, eval_strategy="steps", eval_steps=1,
+                        eval_on_start=True, save_strategy="steps", save_steps=1, eval_num_samples=4,
+                        report_num_samples=3)
+    task = build_task(args)
+    return SearchR1Trainer(model=str(model), args=args, task=task, reward_funcs=[task.rubric, model_text_reward])
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def saved_weights(checkpoint) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+def test_a_scripted_collapse_stops_training_and_it_ends_on_the_best_checkpoint(
+        tiny_model_dir, tmp_path, questions_file, retriever_url, monkeypatch, caplog):
+    calls = scripted_validation(monkeypatch, ems=[0.25, 0.5, 0.25, 0.75, 0.75], searches=[1.0, 1.0, 0.2, 1.0, 1.0])
+    trainer = guarded_trainer(tiny_model_dir, tmp_path, questions_file, retriever_url)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert calls == [0.25, 0.5, 0.25], "validations at steps 0, 1, 2; the collapse at step 2 stops training"
+    assert trainer.state.global_step == 2
+    lines = [r.getMessage() for r in caplog.records if "collapse guard" in r.getMessage()]
+    assert len(lines) == 1 and "step 2" in lines[0] and "best: step 1" in lines[0]
+    assert "validation EM 0.250 is 0.250 below the best 0.500" in lines[0] and "searches per rollout 0.20" in lines[0]
+    assert trainer.state.best_global_step == 1 and trainer.state.best_metric == 0.5
+    best = saved_weights(tmp_path / "run" / "checkpoint-1")
+    now = weights(trainer.model)
+    assert all(torch.equal(now[name], best[name]) for name in best), "the model is the step-1 checkpoint's"
+    step2 = saved_weights(tmp_path / "run" / "checkpoint-2")
+    assert any(not torch.equal(step2[name], best[name]) for name in best), "step 2 had moved the weights"
+    assert all("report_em" in e for e in trainer.state.log_history if "eval_em" in e)
+    assert trainer._synced_step == -1, "the restored weights are pushed before the next generation"
+
+
+def test_the_start_itself_is_a_candidate_and_can_be_what_training_ends_on(
+        tiny_model_dir, tmp_path, questions_file, retriever_url, monkeypatch):
+    scripted_validation(monkeypatch, ems=[0.75, 0.72, 0.5, 0.5, 0.5], searches=[1.0] * 5)
+    trainer = guarded_trainer(tiny_model_dir, tmp_path, questions_file, retriever_url)
+    start = weights(trainer.model)
+    trainer.train()
+    assert trainer.state.global_step == 2, "0.72 is within em_drop of 0.75; 0.50 is not"
+    assert trainer.state.best_global_step == 0
+    assert (tmp_path / "run" / "checkpoint-0").is_dir()
+    assert all(torch.equal(start[n], p) for n, p in weights(trainer.model).items()), "back to the step-0 weights"
+
+
+def test_without_a_collapse_training_runs_to_the_end_and_keeps_its_best(
+        tiny_model_dir, tmp_path, questions_file, retriever_url, monkeypatch):
+    calls = scripted_validation(monkeypatch, ems=[0.25, 0.5, 0.5, 0.75, 0.7], searches=[1.0] * 5)
+    trainer = guarded_trainer(tiny_model_dir, tmp_path, questions_file, retriever_url)
+    trainer.train()
+    assert len(calls) == 5 and trainer.state.global_step == 4
+    assert trainer.state.best_global_step == 3, "0.70 at step 4 is within em_drop of 0.75: no stop, best kept"
+
+
+def control_after(guard: CollapseGuard, step: int, **logs) -> TrainerControl:
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = step
+    guard.on_log(None, state, control, logs=logs)
+    return control
+
+
+def evaluated(guard: CollapseGuard, step: int, em: float, searches: float) -> TrainerControl:
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = step
+    guard.on_evaluate(None, state, control, metrics={"eval_em": em, "eval_searches_per_rollout": searches})
+    return control
+
+
+def test_training_rollouts_that_stop_searching_ask_for_a_validation_at_once():
+    guard = CollapseGuard(CollapseGuardConfig())
+    guard.on_train_begin(None, None, None)
+    control_after(guard, 0, **{"rollout/searches_per_rollout": 1.0, "entropy": 0.5})
+    assert not evaluated(guard, 0, em=0.4, searches=1.0).should_training_stop
+    assert not control_after(guard, 1, **{"rollout/searches_per_rollout": 0.9, "entropy": 0.45}).should_evaluate
+    control = control_after(guard, 2, **{"rollout/searches_per_rollout": 0.4, "entropy": 0.45})
+    assert control.should_evaluate and control.should_save, "0.4 < 0.5 x 1.0 searches at the best step"
+    assert control_after(guard, 3, **{"rollout/searches_per_rollout": 1.0, "entropy": 0.1}).should_evaluate, \
+        "entropy 0.1 < 0.3 x 0.5"
+    assert not evaluated(guard, 3, em=0.38, searches=0.9).should_training_stop, "a validation decides: no collapse"
+    assert evaluated(guard, 4, em=0.34, searches=0.9).should_training_stop, "0.06 below the best"
+
+
+def test_a_bad_guard_setting_names_the_field():
+    with pytest.raises(ValueError, match=r"collapse_searches_drop=1\.5; expected a fraction"):
+        CollapseGuardConfig(searches_drop=1.5)
+
+
+def constant_reward(prompts, completions, **kwargs) -> list[float]:
+    return [1.0] * len(completions)
+
+
+def test_groups_without_reward_spread_leave_the_loss(tiny_model_dir, tmp_path, questions_file, retriever_url):
+    args = small_config(tmp_path, questions_file, retriever_url, generator="transformers", max_tokens_per_turn=8,
+                        max_turns=1, learning_rate=1e-3, drop_equal_reward_groups=True)
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, reward_funcs=[constant_reward])
+    before = weights(trainer.model)
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "train/dropped_groups" in e]
+    assert [e["train/dropped_groups"] for e in logged] == [1.0]
+    assert all(torch.equal(before[n], p) for n, p in weights(trainer.model).items()), "no group had a signal"
