@@ -1,9 +1,9 @@
 """Checks a recipe's plan before anything heavy starts, so a bad plan fails in one line that says what to change.
 
 Checked: required fields, the generator's tensor parallel size against the model's KV heads (vLLM shards KV heads,
-so TP must divide them), local files, and (optionally) that the retrieval and generator servers
-answer. KV head counts come from the model's config when it can be read (local folder or Hub cache), else from the
-published numbers below, so recipes validate offline.
+so TP must divide them), local files, that the weight-sync folder holds nothing a push did not write, and
+(optionally) that the retrieval and generator servers answer. KV head counts come from the model's config when it
+can be read (local folder or Hub cache), else from the published numbers below, so recipes validate offline.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from searchr1_trl.shapes import PUBLISHED_CONFIGS
+from searchr1_trl.weight_sync import check_sync_folder_is_ours, reload_folder
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,11 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         raise PlanError(f"vllm_tensor_parallel_size={tp} does not divide the {heads} KV heads of {model}: "
                         f"use one of {divisors}")
+    if args.generator == "vllm" and args.weight_sync == "reload":
+        try:  # at the first push, minutes into the run, would be too late to say it
+            check_sync_folder_is_ours(reload_folder(args))
+        except ValueError as error:
+            raise PlanError(str(error)) from None
     if not check_machine:
         return
     if args.weight_sync == "nccl" and args.generator == "vllm":
@@ -116,4 +122,5 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
     # Waits, as TRL's own client does: the server may be starting up beside the trainer (scripts/offline_job.py).
     if args.generator == "vllm" and not _server_answers(f"{args.generator_url}/health", args.vllm_server_timeout):
         raise PlanError(f"vLLM server not reachable at {args.generator_url}/health within vllm_server_timeout="
-                        f"{args.vllm_server_timeout:.0f}s: start `trl vllm-serve` or fix vllm_server_base_url")
+                        f"{args.vllm_server_timeout:.0f}s: start `trl vllm-serve --model {model} --host 127.0.0.1` "
+                        "or fix vllm_server_base_url")

@@ -148,6 +148,19 @@ def test_plan_names_a_missing_data_file_and_unreachable_servers(tmp_path):
         validate_plan(args, model_args)
 
 
+def test_plan_refuses_a_weight_sync_folder_holding_files_a_push_did_not_write(tmp_path):
+    folder = tmp_path / "my_checkpoints"
+    folder.mkdir()
+    (folder / "model.safetensors").write_text("the user's, not ours")
+    args, model_args = parse_recipe("qwen3_1_7b", "--weight_sync", "reload", "--weight_sync_dir", str(folder))
+
+    with pytest.raises(PlanError, match=rf"weight_sync_dir {folder} holds files this trainer did not write "
+                                        r"\(model\.safetensors\)"):
+        validate_plan(args, model_args, check_machine=False)
+    (folder / ".searchr1_weight_sync").write_text("")  # a folder a push wrote is fine: the next push replaces it
+    validate_plan(args, model_args, check_machine=False)
+
+
 def test_plan_waits_for_a_vllm_server_that_is_starting_up_until_vllm_server_timeout():
     """The main job starts the trainer while vLLM starts up; a server that never answers fails the plan after the
     timeout, naming it."""
