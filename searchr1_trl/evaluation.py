@@ -99,12 +99,13 @@ class Trace:
     gold_in_first_search: bool | None = None  # whether the first search's passages hold a golden answer; None: none
 
 
-def _searches(messages: Sequence[dict]) -> list[dict]:
+def _searches(messages: Sequence[dict], outage: bool = False) -> list[dict]:
     """Each search call's query with the titles of the passages it got back, in call order.
 
     A tool message answers the earliest unanswered call; a call cut off before its answer has no titles. A call
     answered with an empty message is ``failed``: the env answers so a search the retriever did not answer (every
-    other answer, an error message included, has text).
+    other answer, an error message included, has text); with ``outage`` (the rollout ended as ``error_tool``) so are
+    the unanswered calls of its last step, whose answers were dropped with it.
     """
     calls, answers = [], []
     for message in messages:
@@ -112,7 +113,7 @@ def _searches(messages: Sequence[dict]) -> list[dict]:
             for call in message.get("tool_calls") or []:
                 function = call.get("function") or {}
                 calls.append({"query": _query_from_arguments(function.get("arguments")), "titles": [],
-                              "failed": False})
+                              "failed": outage})
         elif message["role"] == "tool":
             answers.append(message.get("content") or "")
     # A rollout cut after its last calls has fewer tool messages than calls: those calls keep no titles.
@@ -162,7 +163,7 @@ class Method:
         """The trace of ``sample``; a trace with a failed search has status :data:`SEARCH_FAILED` and no EM."""
         if self.retrieval is None:
             rollout = await self.engine.rollout(sample, params)
-            searches = _searches(rollout.messages)
+            searches = _searches(rollout.messages, outage=rollout.status == RolloutStatus.ERROR_TOOL)
             gold_first = _gold_in_first_search(rollout.messages, sample.golden_answers)
         else:
             passages = await self.retrieval.search(sample.question)

@@ -182,6 +182,13 @@ class SearchR1Config(GRPOConfig):
     search_max_response_bytes: int = knob("env", "max_response_bytes")
     search_max_passage_chars: int = knob("env", "max_passage_chars")
     restate_question: bool = knob("env", "restate_question")
+    max_failed_search_fraction: float = field(
+        default=0.5,
+        metadata={"help": "Training stops (one line, the last checkpoint kept) when more than this fraction of a "
+                          "step's searches failed, every retry spent: a retriever that is down would otherwise turn "
+                          "steps into training on outages. Rollouts whose searches failed are not trained on either "
+                          "way (status error_tool)."},
+    )
 
     # --- rollout budgets ---
     max_turns: int = knob("rollout", "max_turns")
@@ -233,6 +240,9 @@ class SearchR1Config(GRPOConfig):
 
     def __post_init__(self):
         self.generator = resolve_generator(self.generator)
+        if not 0 <= self.max_failed_search_fraction <= 1:
+            raise ValueError(f"max_failed_search_fraction={self.max_failed_search_fraction!r}; expected a fraction "
+                             "in [0, 1]")
         if self.weight_sync not in ("reload", "nccl"):
             raise ValueError(f"weight_sync={self.weight_sync!r}; expected 'reload' or 'nccl'")
         if self.weight_sync_dtype not in (None, "bfloat16", "float16", "float32"):

@@ -10,7 +10,9 @@ long passages (Qwen2.5-Coder-0.5B, greedy, right after one search: EM 0/24 witho
 the same passages pasted into the prompt; ``benchmarks/answer_formats.py``).
 
 Retrieval is :class:`~searchr1_trl.search_r1.retrieval.RetrievalClient`'s (one pooled, batching, retrying client
-per env); a search that fails gives the model an empty result and is counted in :meth:`SearchR1Env.metrics`.
+per env). A search the retriever did not answer, all retries spent, is an outage, not "no hits": when every search
+of a step failed the step says so (``EnvStep.tool_failed``) and the rollout ends as ``error_tool``, out of the loss;
+a failed search beside answered ones gets an empty result. Both are counted in :meth:`SearchR1Env.metrics`.
 
 Malformed calls are answered, not raised: arguments that are not a JSON object with a non-empty string ``query``
 (whether they arrive as a dict or a JSON string) send nothing and get :data:`EMPTY_QUERY_MESSAGE`; a call of any
@@ -111,20 +113,26 @@ class SearchR1Env(MessageEnv):
         if not calls:
             return EnvStep(messages=[], done=True)
         restatement = RESTATEMENT.format(question=_question(messages)) if self.config.restate_question else ""
-        tool_messages = await asyncio.gather(*(self._run_tool_call(call, restatement) for call in calls))
-        return EnvStep(messages=list(tool_messages), done=False)
+        answers = await asyncio.gather(*(self._run_tool_call(call, restatement) for call in calls))
+        searched = [failed for _, failed in answers if failed is not None]
+        outage = bool(searched) and all(searched)
+        self._counts["failed_steps"] += outage
+        return EnvStep(messages=[message for message, _ in answers], done=False, tool_failed=outage)
 
-    async def _run_tool_call(self, call: dict, restatement: str) -> dict:
-        """The tool message answering one call; ``restatement`` (if any) follows the passages of a search."""
+    async def _run_tool_call(self, call: dict, restatement: str) -> tuple[dict, bool | None]:
+        """The tool message answering one call (``restatement``, if any, follows the passages of a search), and
+        whether its search failed (None: nothing was searched)."""
         function = call.get("function") or {}
         name = function.get("name")
         # What the model wrote, as text the chat template can render (str() of deep nesting would recurse).
         shown = valid_text(name)[:200] if isinstance(name, str) else f"<{type(name).__name__}>"
+        failed = None
         if name != SEARCH_TOOL_NAME:
             self._counts["unknown_tool_calls"] += 1
             content = f'Error: unknown tool {shown!r}; the only tool is "{SEARCH_TOOL_NAME}".'
         elif query := _query_from_arguments(function.get("arguments")):
             content = await self.retrieval.search(query)
+            failed = not content
             if content and restatement:
                 content = f"{content}\n\n{restatement}"
         else:
@@ -133,7 +141,7 @@ class SearchR1Env(MessageEnv):
         tool_message = {"role": "tool", "name": shown, "content": content}
         if isinstance(call.get("id"), str) and call["id"]:
             tool_message["tool_call_id"] = valid_text(call["id"])
-        return tool_message
+        return tool_message, failed
 
     def metrics(self) -> dict[str, float]:
         counts, self._counts = self._counts, Counter()
@@ -141,6 +149,7 @@ class SearchR1Env(MessageEnv):
             **self.retrieval.metrics(),
             "search/empty_queries": counts["empty_queries"],
             "search/unknown_tool_calls": counts["unknown_tool_calls"],
+            "search/failed_steps": counts["failed_steps"],
         }
 
     async def aclose(self) -> None:

@@ -25,7 +25,9 @@ or on empty content. Answers and golden answers are compared after SQuAD normali
 SQuAD script does it, so EM numbers stay comparable with published Search-R1 results.
 
 A :class:`Rubric` sums weighted reward functions and gives ``truncation_reward`` (0.0) to rollouts a budget cut
-short. Every reward function, and the rubric itself, is a TRL reward function:
+short; a rollout that ended because the retriever did not answer (``error_tool``) gets no reward at all (None), so
+an outage neither counts as a wrong answer nor moves its group's baseline. Every reward function, and the rubric
+itself, is a TRL reward function:
 ``fn(prompts, completions, *, messages, golden_answers, status=None, **kwargs) -> list[float]``, where ``messages``
 is the whole conversation of each completion and ``status`` its :class:`~searchr1_trl.engine.rollout.RolloutStatus`
 (value), both passed by the trainer's rollout function as extra fields.
@@ -205,6 +207,7 @@ class Rubric:
     def __call__(self, prompts, completions, *, messages, golden_answers, status=None, log_metric=None, **kwargs):
         statuses = status if status is not None else [None] * len(messages)
         truncated = [_is_truncated(s) for s in statuses]
+        outage = [s is not None and RolloutStatus(s) is RolloutStatus.ERROR_TOOL for s in statuses]
         totals = [self.truncation_reward if t else 0.0 for t in truncated]
         for fn in self.reward_fns:
             scores = fn(prompts, completions, messages=messages, golden_answers=golden_answers, status=status,
@@ -215,10 +218,13 @@ class Rubric:
                 log_metric(f"rubric/{fn.__name__}", sum(scores) / len(scores))
         if log_metric is not None:
             log_metric("rubric/truncated", sum(truncated) / len(truncated))
-        return totals
+            log_metric("rubric/unscored_tool_failures", sum(outage) / len(outage))
+        # None: TRL (1.16) leaves an unscorable completion out of its group's baseline and gives it no advantage.
+        return [None if failed else total for total, failed in zip(totals, outage, strict=True)]
 
-    def score(self, rollout: Any) -> float:
-        """The reward of one :class:`~searchr1_trl.engine.rollout.Rollout` (its sample carries ``golden_answers``)."""
+    def score(self, rollout: Any) -> float | None:
+        """The reward of one :class:`~searchr1_trl.engine.rollout.Rollout` (its sample carries ``golden_answers``);
+        None for one the retriever did not answer."""
         return self(
             [None], [None], messages=[rollout.messages], golden_answers=[rollout.sample.golden_answers],
             status=[rollout.status],
