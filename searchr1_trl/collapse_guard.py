@@ -76,6 +76,12 @@ class CollapseGuard(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.training = True
+        # A resumed run continues from the best its checkpoint recorded, not from its first validation after resume.
+        evals = {e["step"]: e for e in getattr(state, "log_history", None) or [] if "eval_em" in e}
+        if state is not None and state.best_global_step in evals:
+            best = evals[state.best_global_step]
+            self.best = {"step": best["step"], "em": best["eval_em"],
+                         "searches": best.get("eval_searches_per_rollout", 0.0)}
 
     def on_train_end(self, args, state, control, **kwargs):
         self.training = False

@@ -33,6 +33,9 @@ fails, naming the entry, when the installed versions are not the pinned ones or 
 - ``trl.GRPOTrainer._get_per_token_logps_and_entropies``: overridden, packs the rows for ``padding_free``.
 - ``trl.GRPOTrainer._generate``: overridden, pushes the weights first, so TRL's own NCCL push finds them loaded.
 - ``transformers.Trainer._save_checkpoint``: overridden, stream state first, completeness marker last, rotation after.
+- ``trl.GRPOTrainer._generate_and_score_completions``: overridden, drops groups without reward spread
+  (``drop_equal_reward_groups``) from the loss mask and the token count it returns.
+- ``transformers.Trainer._determine_best_metric``: called, ranks the step-0 validation as a best candidate.
 - ``transformers.Trainer._get_output_dir``: called, the run folder a checkpoint goes to.
 - ``transformers.trainer.rotate_checkpoints``: called, once the marker is written.
 - ``trl.GRPOTrainer._metrics``: appended to, the per-mode metric lists TRL averages and logs.

@@ -18,6 +18,12 @@ import pytest
 
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.processes import free_port
+from tests.suite_memory import (  # noqa: F401 - the suite's memory peak, reported at the end of every run
+    pytest_runtest_logstart,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+    pytest_terminal_summary,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

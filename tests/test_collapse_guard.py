@@ -121,6 +121,16 @@ def test_training_rollouts_that_stop_searching_ask_for_a_validation_at_once():
     assert evaluated(guard, 4, em=0.34, searches=0.9).should_training_stop, "0.06 below the best"
 
 
+def test_a_resumed_run_compares_with_the_best_its_checkpoint_recorded():
+    state, control = TrainerState(), TrainerControl()
+    state.log_history = [{"step": 0, "eval_em": 0.4, "eval_searches_per_rollout": 1.0},
+                         {"step": 10, "eval_em": 0.5, "eval_searches_per_rollout": 1.0}]
+    state.best_global_step = 10
+    guard = CollapseGuard(CollapseGuardConfig())
+    guard.on_train_begin(None, state, control)
+    assert evaluated(guard, 20, em=0.42, searches=1.0).should_training_stop, "0.08 below the step-10 best"
+
+
 def test_a_bad_guard_setting_names_the_field():
     with pytest.raises(ValueError, match=r"collapse_searches_drop=1\.5; expected a fraction"):
         CollapseGuardConfig(searches_drop=1.5)
