@@ -1,9 +1,10 @@
 """Checks a recipe's plan before anything heavy starts, so a bad plan fails in one line that says what to change.
 
 Checked: required fields, the generator's tensor parallel size against the model's KV heads (vLLM shards KV heads,
-so TP must divide them), local files, that the weight-sync folder holds nothing a push did not write, and
-(optionally) that the retrieval and generator servers answer. KV head counts come from the model's config when it
-can be read (local folder or Hub cache), else from the published numbers below, so recipes validate offline.
+so TP must divide them), local files (data files row by row), that the weight-sync folder holds nothing a push did
+not write, and (optionally) that the retrieval and generator servers answer. KV head counts come from the model's
+config when it can be read (local folder or Hub cache), else from the published numbers below, so recipes validate
+offline.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from searchr1_trl.search_r1.data import load_samples
 from searchr1_trl.shapes import PUBLISHED_CONFIGS
 from searchr1_trl.weight_sync import check_sync_folder_is_ours, reload_folder
 
@@ -97,6 +99,11 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
         path = getattr(args, name)
         if path and not Path(path).exists():
             raise PlanError(f"{name}={path} does not exist: prepare it (searchr1-assets) or fix the path")
+        if path:
+            try:  # every row, now: the trainer reads the file only once the model is loaded, in a traceback
+                load_samples(path)
+            except ValueError as error:
+                raise PlanError(f"{name}: {error}") from None
     tp = args.vllm_tensor_parallel_size
     heads = kv_heads(model)
     if tp > heads or heads % tp:

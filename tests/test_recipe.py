@@ -123,6 +123,69 @@ def test_a_gpu_recipe_on_a_machine_without_cuda_stops_in_one_line_naming_the_nee
     check_machine(recipe, {"bf16": True, "use_cpu": True, "weight_sync": "reload"})  # forced onto the CPU
 
 
+def train_error(*argv: str) -> str:
+    """The one line searchr1-train stops with (it must stop before any server is asked)."""
+    with pytest.raises(SystemExit) as stop:
+        train_main(list(argv))
+    message = str(stop.value.code)
+    assert message.startswith("error: ") and "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ("learning_rate: [1, 2]", "{recipe}: learning_rate: expected a number, got a list [1, 2]"),
+    ("max_turns: -1", "expected max_turns >= 1, max_rollout_tokens >= 2 and step_timeout_s > 0, got -1"),
+    ("max_turns: 2.5", "{recipe}: max_turns: expected an integer, got a number 2.5"),
+    ("restate_question: 3", "{recipe}: restate_question: expected true or false, got an integer 3"),
+    ("max_turns: [1", "{recipe}: not valid YAML at line 3, column 1: expected ',' or ']', but got '<stream end>' "
+                      "(while parsing a flow sequence at line 2)"),
+])
+def test_a_bad_recipe_value_or_yaml_stops_training_in_one_line_naming_file_and_field(extra, expected, tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(f"model_name_or_path: Qwen/Qwen3-1.7B\n{extra}\n")
+
+    assert expected.format(recipe=recipe) in train_error("--config", str(recipe), "--use_cpu", "true")
+
+
+@pytest.mark.parametrize(("text", "kind"), [("- a\n- b\n", "list"), ("hello\n", "str")])
+def test_a_recipe_that_is_no_mapping_says_a_recipe_must_be_one(text, kind, tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(text)
+
+    assert train_error("--config", str(recipe)) == (
+        f"error: {recipe}: a recipe is a mapping of field: value, got a YAML {kind}")
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda q: q.drop(columns=["golden_answers"]), "missing column(s) golden_answers; found"),
+    (lambda q: q.rename(columns={"question": "query"}), "missing column(s) question; found"),
+    (lambda q: q.assign(golden_answers=[[]] * len(q)), "row 0: golden_answers is empty"),
+    (lambda q: q.assign(golden_answers=[None] * len(q)), "row 0: golden_answers must be a string or a list of "
+                                                        "strings, got None"),
+    (lambda q: q.assign(golden_answers=[3] * len(q)), "row 0: golden_answers must be a string or a list of strings, "
+                                                     "got 3"),
+    (lambda q: q.assign(question=[None, *q.question[1:]]), "row 0: question must be a non-empty string, got"),
+    (lambda q: q.assign(question=[float("nan"), *q.question[1:]]), "row 0: question must be a non-empty string, "
+                                                                   "got nan"),
+    (lambda q: q.assign(golden_answers=[[""], *q.golden_answers[1:]]), "row 0: golden_answers holds an empty "
+                                                                       "answer (['']); expected non-empty strings"),
+    (None, "not a readable parquet file"),
+])
+def test_a_bad_data_file_stops_training_in_one_line_naming_file_row_and_field(change, expected, offline_assets,
+                                                                               tmp_path):
+    import pandas as pd
+
+    data = tmp_path / "train.parquet"
+    if change is None:
+        data.write_text("question,golden_answers\n")  # a CSV under a parquet name
+    else:
+        change(pd.read_parquet(offline_assets.test_questions).head(8)).to_parquet(data)
+
+    message = train_error("--config", "offline", "--train_data_path", str(data))
+
+    assert message.startswith(f"error: train_data_path: {data}: ") and expected in message
+
+
 def test_recipe_values_are_the_yaml_with_the_command_line_on_top_typed_and_unchecked():
     # bf16 on a machine without a GPU: TrainingArguments would refuse it; the values are read all the same.
     values = recipe_values(["--config", "qwen3_8b", "--bf16=false", "--max_steps", "3", "--use_cpu"])
