@@ -48,7 +48,7 @@ from searchr1_trl.search_r1.env import (
     SearchR1EnvConfig,
     _query_from_arguments,
 )
-from searchr1_trl.search_r1.retrieval import RetrievalClient, _passages_per_query
+from searchr1_trl.search_r1.retrieval import RetrievalClient
 from searchr1_trl.search_r1.rubric import RewardExactMatch, final_answer, normalize_answer, retrieval_surfaced_gold
 
 METHODS = ("direct", "rag", "agent")
@@ -56,8 +56,6 @@ METHODS = ("direct", "rag", "agent")
 # A trace's status when one of its searches got no answer from the retriever (an outage, not "no hits"): it is not
 # scored, a rerun of searchr1-eval generates it again, and the table counts it.
 SEARCH_FAILED = "error_search"
-
-PROBE_QUERY = "Who won Super Bowl 50?"
 
 DIRECT_INSTRUCTION = (
     "Answer the question below. Reply with only the answer: an entity or a short phrase, not a sentence and no "
@@ -313,32 +311,6 @@ def check_generator(kind: str, checkpoint: str, url: str | None = None) -> None:
                 from None
     else:
         raise ValueError(f"generator={kind!r}; expected 'vllm' or 'transformers'")
-
-
-def check_retriever(search_url: str, topk: int, timeout_s: float = 30.0) -> None:
-    """ValueError naming the problem unless the retrieval server at ``search_url`` says it is healthy and answers a
-    probe query with passages: a server that is down, or up but unable to search, would turn every search of an
-    evaluation into a failed trace."""
-    base = search_url.rsplit("/", 1)[0]
-    try:
-        health = httpx.get(f"{base}/health", timeout=timeout_s)
-        answer = httpx.post(search_url, json={"queries": [PROBE_QUERY], "topk": topk}, timeout=timeout_s) \
-            if health.status_code == 200 else None
-    except httpx.HTTPError as error:
-        raise ValueError(f"retrieval server not reachable at {search_url} ({error!r}): start it "
-                         "(python -m retriever_server.server ...) or fix search_url") from None
-    if answer is None:
-        raise ValueError(f"the retrieval server at {base}/health answers {health.status_code} "
-                         f"{health.text[:200]!r}: it cannot serve searches")
-    try:
-        answer.raise_for_status()
-        [passages] = _passages_per_query(answer.json(), 1)
-    except (httpx.HTTPStatusError, ValueError) as error:
-        raise ValueError(f"the retrieval server at {search_url} cannot search: a probe query got {answer.status_code} "
-                         f"{' '.join(str(error).split())[:200]}; {answer.text[:200]!r}") from None
-    if not passages:
-        raise ValueError(f"the retrieval server at {search_url} found no passage for a probe query: is its index "
-                         "empty?")
 
 
 def policy_generator(kind: str, checkpoint: str, tokenizer, url: str | None = None, dtype: str = "auto",

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from searchr1_trl.search_r1.data import load_samples
+from searchr1_trl.search_r1.retrieval import check_retriever
 from searchr1_trl.shapes import PUBLISHED_CONFIGS
 from searchr1_trl.weight_sync import check_sync_folder_is_ours, reload_folder
 
@@ -122,10 +123,10 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
 
         if not torch.cuda.is_available():
             raise PlanError("weight_sync=nccl needs CUDA: use weight_sync=reload on this machine")
-    search_base = args.search_url.rsplit("/", 1)[0]
-    if not _server_answers(f"{search_base}/health"):
-        raise PlanError(f"retrieval server not reachable at {search_base}/health: start `searchr1-retriever` "
-                        "or fix search_url")
+    try:  # health and a probe query: a server that is up but cannot search would fail every search of the run
+        check_retriever(args.search_url, args.topk)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
     # Waits, as TRL's own client does: the server may be starting up beside the trainer (scripts/offline_job.py).
     if args.generator == "vllm" and not _server_answers(f"{args.generator_url}/health", args.vllm_server_timeout):
         raise PlanError(f"vLLM server not reachable at {args.generator_url}/health within vllm_server_timeout="

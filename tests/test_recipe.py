@@ -207,8 +207,39 @@ def test_plan_names_a_missing_data_file_and_unreachable_servers(tmp_path):
         validate_plan(args, model_args, check_machine=False)
     args, model_args = parse_recipe("qwen3_1_7b", "--weight_sync", "reload", "--search_url",
                                     "http://127.0.0.1:9/retrieve")
-    with pytest.raises(PlanError, match=r"retrieval server not reachable at http://127\.0\.0\.1:9/health"):
+    with pytest.raises(PlanError, match=r"retrieval server not reachable at http://127\.0\.0\.1:9/retrieve"):
         validate_plan(args, model_args)
+
+
+def test_plan_refuses_a_retriever_that_is_healthy_but_cannot_search():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class CannotSearch(BaseHTTPRequestHandler):  # a fault on purpose: an encoder of another width behind an old /health
+        def do_GET(self):
+            self._answer(200, b'{"status": "ok"}')
+
+        def do_POST(self):
+            self._answer(422, b'{"detail": "queries[0]: cannot be searched (RuntimeError: mat1 and mat2 shapes)"}')
+
+        def _answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CannotSearch)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/retrieve"
+    args, model_args = parse_recipe("qwen3_1_7b", "--weight_sync", "reload", "--search_url", url)
+    try:
+        with pytest.raises(PlanError, match=rf"the retrieval server at {url} cannot search: a probe query got 422"):
+            validate_plan(args, model_args)
+    finally:
+        server.shutdown()
 
 
 def test_plan_refuses_a_weight_sync_folder_holding_files_a_push_did_not_write(tmp_path):

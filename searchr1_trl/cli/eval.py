@@ -49,6 +49,7 @@ from pathlib import Path
 from searchr1_trl import evaluation
 from searchr1_trl.recipe import knob_fields, part_config
 from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
+from searchr1_trl.search_r1.retrieval import check_retriever
 
 # The recipe's env, rollout and per-turn fields, with its names, defaults and help: the agent runs as it trained.
 PolicyConfig = knob_fields("PolicyConfig", ("env", "rollout", "sampling"))
@@ -215,7 +216,7 @@ def check_services(config: EvalConfig, policy, pending: list[dict[str, list]]) -
     with traces to generate (``pending[i]``: checkpoint i's missing traces by method). Without it, a retriever that
     was down turned every search into a finished trace with no passages."""
     if any(todo for work in pending for method, todo in work.items() if method != "direct"):
-        evaluation.check_retriever(policy.search_url, policy.topk)
+        check_retriever(policy.search_url, policy.topk)
     for index, checkpoint in enumerate(config.checkpoints):
         if any(pending[index].values()):
             evaluation.check_generator(config.generator, checkpoint, generator_url(config, index))

@@ -278,3 +278,32 @@ class RetrievalClient:
         if self._http is not None and self._http_loop is asyncio.get_running_loop():
             await self._http.aclose()
         self._http = self._http_loop = None
+
+
+PROBE_QUERY = "Who won Super Bowl 50?"
+
+
+def check_retriever(search_url: str, topk: int, timeout_s: float = 30.0) -> None:
+    """ValueError naming the problem unless the retrieval server at ``search_url`` says it is healthy and answers a
+    probe query with passages: a server that is down, or up but unable to search, would turn every search of a run
+    into a failure (the plan check and ``searchr1-eval`` ask before anything heavy starts)."""
+    base = search_url.rsplit("/", 1)[0]
+    try:
+        health = httpx.get(f"{base}/health", timeout=timeout_s)
+        answer = httpx.post(search_url, json={"queries": [PROBE_QUERY], "topk": topk}, timeout=timeout_s) \
+            if health.status_code == 200 else None
+    except httpx.HTTPError as error:
+        raise ValueError(f"retrieval server not reachable at {search_url} ({error!r}): start "
+                         "`searchr1-retriever` or fix search_url") from None
+    if answer is None:
+        raise ValueError(f"the retrieval server at {base}/health answers {health.status_code} "
+                         f"{health.text[:200]!r}: it cannot serve searches")
+    try:
+        answer.raise_for_status()
+        [passages] = _passages_per_query(answer.json(), 1)
+    except (httpx.HTTPStatusError, ValueError) as error:
+        raise ValueError(f"the retrieval server at {search_url} cannot search: a probe query got {answer.status_code} "
+                         f"{' '.join(str(error).split())[:200]}; {answer.text[:200]!r}") from None
+    if not passages:
+        raise ValueError(f"the retrieval server at {search_url} found no passage for a probe query: is its index "
+                         "empty?")
