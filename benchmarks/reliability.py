@@ -40,6 +40,7 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
     ratio = heavy["good_requests"] / clean["good_requests"]
     nine_ratio, nine_share = nine["p99_ms"] / clean["p99_ms"], nine["good_per_s"] / clean["good_per_s"]
     outage = f["client_outage"]
+    blackout = f["outage_rollouts"]
     resumes = f["kill_and_resume"]
     escapes = f["parse_fuzz"]["escapes"] + f["rollout_fuzz"]["escapes"]
     return [
@@ -77,6 +78,12 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
          f"{outage['searches'] - outage['empty']} of {outage['searches']} searches answered across a "
          f"{outage['outage_s']:.1f} s outage ({outage['requests']} requests)", outage["empty"] == 0,
          "test_reliability_client: test_searches_survive_a_retriever_killed_mid_batch_and_restarted"),
+        ("rollouts through an outage longer than the retry budget (every attempt refused)",
+         "none ends done or is rewarded",
+         f"{blackout['error_tool']} of {blackout['rollouts']} ended error_tool, {blackout['done']} done, "
+         f"{blackout['rewarded']} rewarded", blackout["done"] == blackout["rewarded"] == 0,
+         "test_reliability_client: test_rollouts_through_an_outage_longer_than_the_retry_budget_end_error_tool_"
+         "unrewarded"),
         ("resumes exact after kill -9", "exact",
          "; ".join(f"killed {mode} a checkpoint: resumed from step {r['resumed_from_step']}, questions "
                    f"{'exact' if r['questions_exact'] else 'DIFFERENT'}" for mode, r in sorted(resumes.items())),

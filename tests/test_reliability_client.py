@@ -222,3 +222,34 @@ def test_searches_survive_a_retriever_killed_mid_batch_and_restarted(retriever_s
     assert restarted["outage_s"] >= 3  # a real restart: loading the encoder and index again
     assert "" not in results and all(r.startswith("Doc 1(Title: ") for r in results)
     assert metrics["search/failures"] == 0 and metrics["search/requests"] > 2
+
+
+def test_rollouts_through_an_outage_longer_than_the_retry_budget_end_error_tool_unrewarded(tokenizer,
+                                                                                           reliability_figures):
+    from test_evaluation import QUESTION, ScriptedGenerator
+
+    from searchr1_trl.engine.generation import SamplingParams
+    from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
+    from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+    from searchr1_trl.search_r1.rubric import Rubric
+
+    refused = f"http://127.0.0.1:{free_port()}/retrieve"  # nothing listens: every attempt is refused
+    env = SearchR1Env(SearchR1EnvConfig(search_url=refused, max_retries=3, retry_backoff_s=0.01))
+    engine = RolloutEngine(tokenizer, ScriptedGenerator(tokenizer), env, RolloutConfig(max_turns=3))
+
+    async def main():
+        try:
+            return await engine.run([QUESTION] * 8, SamplingParams.greedy(max_tokens=64))
+        finally:
+            await env.aclose()
+
+    rollouts = asyncio.run(main())
+
+    statuses = [r.status.value for r in rollouts]
+    rewards = [Rubric().score(r) for r in rollouts]
+    counts = env.metrics()
+    reliability_figures["outage_rollouts"] = {"rollouts": len(rollouts), "done": statuses.count("done"),
+                                              "error_tool": statuses.count("error_tool"),
+                                              "rewarded": sum(r is not None for r in rewards)}
+    assert statuses == ["error_tool"] * 8 and rewards == [None] * 8
+    assert (counts["search/failures"], counts["search/failed_steps"]) == (8, 8)
