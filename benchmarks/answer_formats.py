@@ -29,7 +29,7 @@ from benchmarks.report import report
 from searchr1_trl.engine.generation import SamplingParams, VLLMServerGenerator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
 from searchr1_trl.search_r1.data import SearchR1Sample
-from searchr1_trl.search_r1.env import RESTATEMENT, SEARCH_TOOL, SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import RESTATEMENT, SEARCH_TOOL, SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.search_r1.rubric import RewardExactMatch
 
 
@@ -44,15 +44,16 @@ def questions_in_corpus(path: str, corpus_path: str, n: int) -> list[SearchR1Sam
 
 async def one_turn_em(tokenizer, generator, search_url: str, samples: list[SearchR1Sample]) -> dict[str, float]:
     """Greedy EM of the reply right after a search for the question, per place of the passages."""
-    plain = SearchR1Env(SearchR1EnvConfig(search_url=search_url))
-    restating = SearchR1Env(SearchR1EnvConfig(search_url=search_url, restate_question=True))
+    plain = SearchR1EnvFactory(SearchR1EnvConfig(search_url=search_url))
+    restating = SearchR1EnvFactory(SearchR1EnvConfig(search_url=search_url, restate_question=True))
     conversations: dict[str, list[list[dict]]] = {"passages_in_prompt": [], "tool_message": [],
                                                   "tool_message_restated": []}
     for sample in samples:
         call = {"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": "search", "arguments": {"query": sample.question}}}]}
-        for name, env in (("tool_message", plain), ("tool_message_restated", restating)):
-            start = [*env.initial_messages(sample), call]
+        for name, envs in (("tool_message", plain), ("tool_message_restated", restating)):
+            env = envs()
+            start = [*env.reset(sample), call]
             conversations[name].append(start + (await env.step(start)).messages)
         passages = conversations["tool_message"][-1][-1]["content"]
         conversations["passages_in_prompt"].append([{
@@ -75,7 +76,7 @@ async def one_turn_em(tokenizer, generator, search_url: str, samples: list[Searc
 async def rollout_em(tokenizer, generator, search_url: str, samples: list[SearchR1Sample], restate: bool,
                      args) -> dict[str, float]:
     """EM, searches and terminal statuses of sampled multi-turn rollouts, as in training."""
-    env = SearchR1Env(SearchR1EnvConfig(search_url=search_url, restate_question=restate))
+    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=search_url, restate_question=restate))
     engine = RolloutEngine(tokenizer, generator, env, RolloutConfig(max_turns=args.max_turns,
                                                                     bare_json_tool_calls=True))
     repeated = [s for s in samples for _ in range(args.samples_per_question)]

@@ -40,7 +40,7 @@ from searchr1_trl.assets import require
 from searchr1_trl.engine.generation import Generation, Generator, SamplingParams, VLLMServerGenerator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
 from searchr1_trl.processes import free_port
-from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 
 
 class Script:
@@ -141,7 +141,7 @@ def run_once(engine: RolloutEngine, samples, params: SamplingParams, profile: cP
             return await engine.run(samples, params)
         finally:
             await engine.generator.aclose()
-            await engine.env.aclose()
+            await engine.envs.aclose()
 
     wall, cpu = time.perf_counter(), time.process_time()
     if profile:
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                     def engine(name=name):
                         generator = (InstantGenerator(script) if name == "instant" else
                                      VLLMServerGenerator(f"http://127.0.0.1:{port}", model="fake"))
-                        return RolloutEngine(tokenizer, generator, SearchR1Env(SearchR1EnvConfig(
+                        return RolloutEngine(tokenizer, generator, SearchR1EnvFactory(SearchR1EnvConfig(
                             search_url=retriever.url)), rollout_config)
 
                     for repeat in range(args.repeats + 1):

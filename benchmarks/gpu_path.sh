@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU production path as run on an nvidia-h200-x2 machine (docs/results/README.md, "GPU production path"), after
+# The GPU production path as run on an nvidia-h200-x2 machine (docs/results/history.md, "GPU production path"), after
 # `bash scripts/gpu_setup.sh <pieces>` there. Each step writes under $RUNS (default /root/runs) and is one command:
 # EAGER=1 bash benchmarks/gpu_path.sh learn_x2: servers without CUDA graphs.
 #   bash benchmarks/gpu_path.sh sync_checks    # vLLM 0.26 on GPU 0 and 1; NCCL push (trainer GPU 1 -> server GPU 0)
@@ -11,7 +11,9 @@
 #   bash benchmarks/gpu_path.sh beat_rag <gpu> <seed> [recipe flags]  # offline_gpu on one GPU, warm start + GRPO
 #   bash benchmarks/gpu_path.sh eval_table <gpu> <name> <checkpoint>...  # direct / rag / agent, 500 seeded questions
 #   bash benchmarks/gpu_path.sh performance    # one GPU, ~8 min: the retriever vs the one-request-at-a-time reference
-#                                              # on this host, its stages, and the policy update's MFU (issue 15)
+#                                              # on this host, its stages, and the policy update's MFU
+#   bash benchmarks/gpu_path.sh async_e2e <sync|async> [gpu]  # offline_gpu, 3 seeds side by side, lock-step or
+#                                              # async rollouts, into one table: $RUNS/async_e2e (run both modes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source /root/searchr1_env.sh
@@ -68,6 +70,15 @@ case "${1:?step}" in
       --generator_gpu "$gpu" --trainer_gpu "$gpu" --retriever_gpu "$gpu" \
       --retriever_port $((8100 + 10 * seed)) --generator_port $((8101 + 10 * seed)) $EAGER \
       --seed "$seed" --data_seed "$seed" "$@" ;;
+  async_e2e)  # one batch of seeds per mode (equal GPU sharing within a batch); the report sets both side by side
+    mode=${2:?sync or async} gpu=${3:-0}
+    case "$mode" in
+      sync) variant="sync=" ;;
+      async) variant="async=--async_rollouts true --max_staleness 1" ;;
+      *) echo "async_e2e: mode $mode; expected sync or async" >&2; exit 2 ;;
+    esac
+    python3 -m benchmarks.learning run --out "$RUNS/async_e2e" --seeds 0 1 2 --gpu "$gpu" --baseline sync \
+      --variant "$variant" ${EAGER:+--eager} ;;
   eval_table)  # the retriever on that GPU's host, each checkpoint in-process on that GPU
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \

@@ -21,7 +21,7 @@ from searchr1_trl.assets import require
 from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
 from searchr1_trl.search_r1.data import SearchR1Sample
-from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 
 
 def describe(rollout) -> dict:
@@ -53,7 +53,7 @@ def main() -> None:
         for path in args.models:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
             engine = RolloutEngine(tokenizer, TransformersGenerator(model, tokenizer),
-                                   SearchR1Env(SearchR1EnvConfig(search_url=retriever.url)),
+                                   SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever.url)),
                                    RolloutConfig(max_turns=args.max_turns, bare_json_tool_calls=True))
             print("=====", path)
             for rollout in asyncio.run(engine.run(samples, SamplingParams.greedy(max_tokens=128))):

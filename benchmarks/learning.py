@@ -3,13 +3,19 @@
     python -m benchmarks.learning run --out runs/learning --seeds 0 1 2 --variant guard= \\
         --variant kl="--beta 0.04" [--gpu 0] [--kv_cache_gib 3]     # every variant x every seed, all at once
     python -m benchmarks.learning report runs/learning              # the table again, from the runs' summary.json
+    # synchronous against asynchronous rollouts, speed and EM in one table: one batch of seeds per mode (equal GPU
+    # sharing within a batch), both into the same --out
+    python -m benchmarks.learning run --out runs/async --seeds 0 1 2 --variant sync=
+    python -m benchmarks.learning run --out runs/async --seeds 0 1 2 --baseline sync \
+        --variant async="--async_rollouts true --max_staleness 1"
 
 Each run is ``scripts/offline_job.py --config offline_gpu --corpus full`` with ``--seed S --data_seed S`` and the
 variant's recipe flags, on its own ports, its vLLM server with a fixed KV cache (``--generator_kv_cache_gib``) so
 servers starting together do not size their caches off each other. Figures come from the **report sample**
 (``report_num_samples`` questions disjoint from the validation sample the collapse guard chooses on): per seed the
 warm start alone (step 0), the last step, and the checkpoint the run ended on; per variant mean, standard deviation
-and minimum of the gains over the warm start. ``report`` writes ``learning.json`` and prints a Markdown table.
+and minimum of the gains over the warm start, beside the mean ``train_runtime`` and its speedup over the
+``--baseline`` variant (the first one by default). ``report`` writes ``learning.json`` and prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ def launch(args) -> None:
         jobs.append((folder, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)))
         time.sleep(args.stagger_s)  # the index builds and model loads overlap less
     failed = [str(folder) for folder, job in jobs if job.wait() != 0]
-    report(out)
+    report(out, args.baseline)
     if failed:
         sys.exit(f"error: {len(failed)} of {len(jobs)} runs failed: {', '.join(failed)} (see their job.log)")
 
@@ -96,7 +102,7 @@ def runs(out: Path) -> list[dict]:
     return records
 
 
-def report(out: Path) -> dict:
+def report(out: Path, baseline: str | None = None) -> dict:
     records = runs(out)
     table = {}
     for variant in dict.fromkeys(r["variant"] for r in records):
@@ -111,27 +117,62 @@ def report(out: Path) -> dict:
             "last": _spread([r["report_em"]["last"] for r in done]),
             "chosen": _spread([r["report_em"]["chosen"] for r in done]),
             "gain_last": _spread(gains_last), "gain_chosen": _spread(gains_chosen),
+            "train_runtime_s": _spread([r["train_runtime_s"] for r in done if r["train_runtime_s"] is not None]),
         }
     (out / "learning.json").write_text(json.dumps({"variants": table, "runs": records}, indent=2))
+    def fmt(value, digits=3):
+        return "-" if value is None else f"{value:.{digits}f}"
+
     print("| variant | flags | seed | warm start | last step | chosen (step) | gain last | gain chosen | "
-          "searches | 2nd query | EM when 1st search missed |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "searches | 2nd query | EM when 1st search missed | train_runtime s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in records:
         if not r["finished"]:
-            print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | unfinished | | | | | | | |")
+            print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | unfinished | | | | | | | | |")
             continue
         em, learned = r["report_em"], r["learned"]
-
-        def fmt(value):
-            return "-" if value is None else f"{value:.3f}"
         print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | {fmt(em['start'])} | {fmt(em['last'])} | "
               f"{fmt(em['chosen'])} ({r['best_step']}) | {em['last'] - em['start']:+.3f} | "
               f"{em['chosen'] - em['start']:+.3f} | {fmt(learned['searches_per_rollout'])} | "
-              f"{fmt(learned['second_query_rate'])} | {fmt(learned['em_first_search_missed'])} |")
-    for variant, row in table.items():
-        print(f"{variant}: gain of the last step {row['gain_last']}, of the chosen checkpoint {row['gain_chosen']}; "
-              f"warm start {row['warm_start']}")
+              f"{fmt(learned['second_query_rate'])} | {fmt(learned['em_first_search_missed'])} | "
+              f"{fmt(r['train_runtime_s'], 1)} |")
+    print()
+    print(variant_table(table, baseline))
     return table
+
+
+def variant_table(table: dict, baseline: str | None = None) -> str:
+    """One Markdown row per variant: report EM (last step and chosen checkpoint: mean, sd, min over seeds), mean
+    ``train_runtime`` and its speedup over ``baseline`` (default: the first variant).
+
+    >>> print(variant_table({"sync": {"flags": "", "seeds": [0, 1], "last": {"mean": 0.44, "sd": 0.01, "min": 0.43},
+    ...     "chosen": {"mean": 0.45, "sd": 0.01, "min": 0.44}, "train_runtime_s": {"mean": 160.0}},
+    ...     "async": {"flags": "--async_rollouts true", "seeds": [0, 1], "last": {"mean": 0.43, "sd": 0.02,
+    ...     "min": 0.41}, "chosen": {"mean": 0.44, "sd": 0.02, "min": 0.42}, "train_runtime_s": {"mean": 80.0}}}))
+    | variant | flags | seeds | report EM last: mean (sd, min) | chosen: mean (sd, min) | train_runtime s | speedup |
+    | --- | --- | --- | --- | --- | --- | --- |
+    | sync | `` | 0 1 | 0.440 (0.010, 0.430) | 0.450 (0.010, 0.440) | 160.0 | 1.00x |
+    | async | `--async_rollouts true` | 0 1 | 0.430 (0.020, 0.410) | 0.440 (0.020, 0.420) | 80.0 | 2.00x |
+    """
+    baseline = baseline or next(iter(table), None)
+    reference = table[baseline]["train_runtime_s"]["mean"] if baseline in table else None
+
+    def em(spread):
+        if spread["mean"] is None:
+            return "-"
+        sd = "-" if spread["sd"] is None else f"{spread['sd']:.3f}"
+        return f"{spread['mean']:.3f} ({sd}, {spread['min']:.3f})"
+
+    lines = ["| variant | flags | seeds | report EM last: mean (sd, min) | chosen: mean (sd, min) | train_runtime s | "
+             "speedup |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for variant, row in table.items():
+        runtime = row["train_runtime_s"]["mean"]
+        speedup = f"{reference / runtime:.2f}x" if reference and runtime else "-"
+        lines.append(f"| {variant} | `{row['flags']}` | {' '.join(map(str, row['seeds']))} | {em(row['last'])} | "
+                     f"{em(row['chosen'])} | {'-' if runtime is None else f'{runtime:.1f}'} | {speedup} |")
+    if baseline is not None and baseline not in table:  # e.g. the baseline's batch of seeds has not run yet
+        lines.append(f"\nno speedup: the baseline variant {baseline!r} has no finished run here ({', '.join(table)})")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -151,13 +192,16 @@ def main() -> None:
     run.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs (starts faster)")
     rep = sub.add_parser("report", help="the table from finished runs")
     rep.add_argument("out")
+    for command in (run, rep):
+        command.add_argument("--baseline", default=None,
+                             help="the variant the speedup is over (default: the first one in the table)")
     args = parser.parse_args()
     if args.command == "run":
         if not args.variant:
             parser.error("give at least one --variant NAME=\"flags\"")
         launch(args)
     else:
-        report(Path(args.out))
+        report(Path(args.out), args.baseline)
 
 
 if __name__ == "__main__":

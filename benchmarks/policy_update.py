@@ -5,7 +5,7 @@ plus in-process generation throughput. Prints one JSON line per measurement (and
     python -m benchmarks.policy_update --model Qwen/Qwen3-8B --batch 4 --seq 2048 --activation_checkpointing
     # the levers (searchr1_trl/update.py and TRL's own), one flag each:
     python -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --dtype bfloat16 --fp32_master_weights \
-        --padding_free --ragged --use_liger_kernel --compile_layers
+        --padding_free --ragged --compile_layers
     # the offline recipe's update: its 0.5B model, 8 micro-batches of 8 rollouts per optimizer step
     python -m benchmarks.policy_update --model PATH/Qwen2.5-Coder-0.5B-Instruct --batch 8 --accumulation 8 \
         --seq 1024 --ragged
@@ -79,13 +79,10 @@ def policy_update(args, peak_tflops: float, work: Path) -> dict:
         train_data_path=str(questions), eval_strategy="no", report_to="none",
         activation_checkpointing=args.activation_checkpointing, max_steps=args.steps, learning_rate=1e-6,
         optim=args.optim, fp32_master_weights=args.fp32_master_weights, padding_free=args.padding_free,
-        use_liger_kernel=args.use_liger_kernel,
+        use_liger_kernel=args.use_liger_kernel, compile_layers=args.compile_layers,
     )
     model = build_model(args)
     params = sum(p.numel() for p in model.parameters())
-    if args.compile_layers:  # a lever measured before it is wired into the trainer; the untimed first step compiles
-        for layer in model.model.layers:
-            layer.compile()
     from transformers import AutoTokenizer
 
     trainer = SearchR1Trainer(model=model, args=config, processing_class=AutoTokenizer.from_pretrained(require().model))
@@ -180,7 +177,9 @@ def main() -> None:
     parser.add_argument("--optim", default="adamw_torch_fused", help="TrainingArguments.optim")
     parser.add_argument("--fp32_master_weights", action="store_true", help="with --dtype bfloat16")
     parser.add_argument("--padding_free", action="store_true")
-    parser.add_argument("--compile_layers", action="store_true", help="torch.compile each decoder layer")
+    parser.add_argument("--compile_layers", action="store_true",
+                        help="the recipe's compile_layers: torch.compile each decoder layer (the untimed first step "
+                             "compiles)")
     parser.add_argument("--use_liger_kernel", action="store_true",
                         help="TRL's Liger layer kernels (needs liger-kernel; no gain measured on an H200)")
     parser.add_argument("--generation", action="store_true", help="also measure in-process generation")

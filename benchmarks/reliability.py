@@ -23,7 +23,7 @@ SUITE = ["tests/test_reliability_rollout.py", "tests/test_reliability_server.py"
 
 
 def rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
-    """(figure, must, measured, met, test) for every must-value."""
+    """(figure, must, measured, met, test) for every must-value of the reliability spec."""
     try:
         return _rows(f)
     except (KeyError, ValueError, ZeroDivisionError) as missing:
@@ -45,7 +45,7 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
     escapes = f["parse_fuzz"]["escapes"] + f["rollout_fuzz"]["escapes"]
     return [
         ("other rollouts lost per malformed turn", "0",
-         f"{lost} (over {len(malformed)} malformed shapes x 7 rollouts beside each; {f['rollout_fuzz']['control_lost']} "
+         f"{lost} (over {len(malformed)} malformed-turn shapes x 7 rollouts beside each; {f['rollout_fuzz']['control_lost']} "
          f"of {f['rollout_fuzz']['batches']} control rollouts beside 7 fuzzed turns)",
          lost == 0 and f["rollout_fuzz"]["control_lost"] == 0,
          "test_reliability_rollout: test_a_malformed_turn_ends_only_its_own_rollout_and_costs_no_other_search, "

@@ -163,7 +163,7 @@ def run_load(port: int, server_pid: int, questions: list[str], args: argparse.Na
     """(latencies, errors, server cores busy under load, server cores busy idle afterwards).
 
     ``--clients`` are spread over ``--processes`` processes: one Python process saturates its core long before the
-    server does (issue 15: ~80 QPS). Server CPU is sampled over the measured window and over ``--idle_s`` seconds
+    server does (~80 QPS). Server CPU is sampled over the measured window and over ``--idle_s`` seconds
     of silence after it, where a server whose threads spin shows up as busy cores.
     """
     processes = min(args.processes, args.clients)

@@ -55,7 +55,7 @@ from searchr1_trl.engine.parsing import response_parser
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
 from searchr1_trl.processes import free_port
 from searchr1_trl.search_r1.data import SearchR1Sample
-from searchr1_trl.search_r1.env import SEARCH_TOOL, SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import SEARCH_TOOL, SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.search_r1.retrieval import RetrievalClient
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
@@ -104,7 +104,7 @@ def workload(assets, num_questions: int, work: Path) -> tuple[list[SearchR1Sampl
 
 
 def engine_run(tokenizer, generator, search_url: str, samples, params, rollout_config) -> Result:
-    env = SearchR1Env(SearchR1EnvConfig(search_url=search_url))
+    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=search_url))
     engine = RolloutEngine(tokenizer, generator, env, rollout_config)
 
     async def main():
@@ -166,8 +166,8 @@ def trl_tool_loop(model_path: str, base_url: str, search_url: str, samples, args
     search.__doc__ = (f"{function['description']}\n\nArgs:\n"
                       f"    query: {function['parameters']['properties']['query']['description']}\n")
 
-    env = SearchR1Env()
-    prompts = [env.initial_messages(s) for s in samples]
+    envs = SearchR1EnvFactory()
+    prompts = [envs().reset(s) for s in samples]
     config = GRPOConfig(
         # The policy is not used by _generate in server mode: on the CPU it leaves the GPU to vLLM.
         output_dir=str(work / "trl"), report_to="none", use_cpu=True, bf16=False,

@@ -1,4 +1,4 @@
-"""The baseline of issue 15: a one-request-at-a-time retrieval server that behaves as Search-R1's
+"""The baseline: a one-request-at-a-time retrieval server that behaves as Search-R1's
 ``search_r1/search/retrieval_server.py`` (PeterGriffinJin/Search-R1), written from that behaviour, over the same
 index, corpus and encoder as ours, so a load test compares serving, not models.
 

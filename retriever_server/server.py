@@ -35,7 +35,7 @@ if __name__ == "__main__":
     # torch and faiss each bring an OpenMP runtime whose threads spin after every parallel region (a few ms, per
     # thread) before they sleep. Between the requests of a single client that kept ~8 of 16 cores busy for nothing on
     # an H200 host, and on a machine shared with vLLM and the trainer it takes their cores; PASSIVE threads sleep at
-    # once (issue 15: server CPU /5 and p50 -20% there; on 2 cores one single-query client waits 2x longer, a
+    # once (server CPU /5 and p50 -20% there; on 2 cores one single-query client waits 2x longer, a
     # 64-query request 3%). Read when the runtimes load, so before the imports below; a value already set wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -19,8 +19,9 @@ import importlib
 _EXPORTS = {
     "SearchR1Dataset": "search_r1.data", "SearchR1DatasetConfig": "search_r1.data",
     "SearchR1Sample": "search_r1.data",
-    "SearchR1Env": "search_r1.env", "SearchR1EnvConfig": "search_r1.env",
-    "EnvStep": "engine.rollout", "MessageEnv": "engine.rollout", "Rollout": "engine.rollout",
+    "SearchR1Env": "search_r1.env", "SearchR1EnvConfig": "search_r1.env", "SearchR1EnvFactory": "search_r1.env",
+    "EnvFactory": "engine.rollout", "EnvStep": "engine.rollout", "MessageEnv": "engine.rollout",
+    "Rollout": "engine.rollout",
     "RolloutConfig": "engine.rollout", "RolloutEngine": "engine.rollout", "RolloutStatus": "engine.rollout",
     "response_parser": "engine.parsing",
     "Generation": "engine.generation", "Generator": "engine.generation", "SamplingParams": "engine.generation",

@@ -40,12 +40,12 @@ from searchr1_trl.engine.generation import (
     VLLMServerGenerator,
     end_token_ids,
 )
-from searchr1_trl.engine.rollout import EnvStep, MessageEnv, RolloutConfig, RolloutEngine, RolloutStatus
+from searchr1_trl.engine.rollout import EnvFactory, EnvStep, MessageEnv, RolloutConfig, RolloutEngine, RolloutStatus
 from searchr1_trl.search_r1.env import (
     QUESTION_SEPARATOR,
     RESTATEMENT,
-    SearchR1Env,
     SearchR1EnvConfig,
+    SearchR1EnvFactory,
     _query_from_arguments,
 )
 from searchr1_trl.search_r1.retrieval import RetrievalClient
@@ -139,14 +139,21 @@ class OneTurnEnv(MessageEnv):
     """No tools, one turn: the first assistant message is the final answer. The prompt is the closed-book one
     unless the caller passes its own messages (``rag``)."""
 
-    def __init__(self):
-        self.tools: list[dict] = []
-
-    def initial_messages(self, sample) -> list[dict]:
+    def reset(self, sample) -> list[dict]:
         return [{"role": "user", "content": f"{DIRECT_INSTRUCTION}{QUESTION_SEPARATOR}{sample.question}"}]
 
     async def step(self, messages: list[dict]) -> EnvStep:
         return EnvStep(messages=[], done=True)
+
+
+class OneTurnEnvs(EnvFactory):
+    """A :class:`OneTurnEnv` per rollout; no tools, nothing shared."""
+
+    def __init__(self):
+        self.tools: list[dict] = []
+
+    def __call__(self) -> OneTurnEnv:
+        return OneTurnEnv()
 
 
 class Method:
@@ -183,19 +190,17 @@ class Method:
     async def aclose(self) -> None:
         if self.retrieval is not None:
             await self.retrieval.aclose()
-        close = getattr(self.engine.env, "aclose", None)
-        if close is not None:
-            await close()
+        await self.engine.envs.aclose()
 
 
 def build_method(name: str, tokenizer, generator: Generator, env_config: SearchR1EnvConfig,
                  rollout_config: RolloutConfig) -> Method:
     """The method ``name`` on ``generator``; ``direct`` and ``rag`` get one turn of ``rollout_config``'s budgets."""
     if name == "agent":
-        return Method(name, RolloutEngine(tokenizer, generator, SearchR1Env(env_config), rollout_config))
+        return Method(name, RolloutEngine(tokenizer, generator, SearchR1EnvFactory(env_config), rollout_config))
     one_turn = replace(rollout_config, max_turns=1)
     retrieval = RetrievalClient(env_config) if name == "rag" else None
-    return Method(name, RolloutEngine(tokenizer, generator, OneTurnEnv(), one_turn), retrieval)
+    return Method(name, RolloutEngine(tokenizer, generator, OneTurnEnvs(), one_turn), retrieval)
 
 
 async def run(method: Method, samples: Sequence, params: SamplingParams,

@@ -1,4 +1,4 @@
-"""Child processes that die with their parent, and exits that say why (issue 13, F11).
+"""Child processes that die with their parent, and exits that say why.
 
 A server started for a job (vLLM, whose engine runs in processes of its own) must not outlive the job: when the job
 is killed (the OOM killer, a scheduler, Ctrl-C), 8 GB of orphaned servers stayed behind. :func:`owned_popen` starts

@@ -34,6 +34,7 @@ from typing import Any
 from trl import GRPOConfig, ModelConfig, TrlParser
 
 from searchr1_trl.assets import resolve_path
+from searchr1_trl.async_rollouts import AsyncRolloutsConfig
 from searchr1_trl.collapse_guard import CollapseGuardConfig
 from searchr1_trl.engine.generation import (
     Generator,
@@ -47,7 +48,7 @@ from searchr1_trl.engine.generation import (
 )
 from searchr1_trl.engine.rollout import RolloutConfig
 from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
-from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.search_r1.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
 from searchr1_trl.warm_start import WarmStartConfig
 
@@ -77,6 +78,7 @@ PARTS: dict[str, Any] = {
     "transformers_generator": TransformersGeneratorConfig(),
     "warm_start": WarmStartConfig(),  # off: no traces
     "collapse_guard": CollapseGuardConfig(),  # on wherever training validates
+    "async_rollouts": AsyncRolloutsConfig(),  # off: lock-step rollouts
 }
 
 # Knobs of the parts that are no recipe field, because build_task derives them.
@@ -122,7 +124,7 @@ class SearchR1Config(GRPOConfig):
     save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept on disk."})
     logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
 
-    # --- policy-update throughput (searchr1_trl/update.py); TRL's own: use_liger_kernel, optim, bf16 ---
+    # --- policy-update throughput (searchr1_trl/update.py); TRL's own: optim, bf16 ---
     fp32_master_weights: bool = field(
         default=False,
         metadata={"help": "With a model loaded in bfloat16 (dtype: bfloat16): the optimizer keeps fp32 copies of the "
@@ -140,6 +142,11 @@ class SearchR1Config(GRPOConfig):
         metadata={"help": "Pack each micro-batch's rollouts without padding (position ids restart per rollout) for the "
                           "log-prob forward/backward; needs an attention that reads packed position ids (sdpa, eager, "
                           "flex_attention, flash_attention_2). Same loss, less padding compute."},
+    )
+    compile_layers: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each decoder layer in place (searchr1_trl/update.py): same loss, the first "
+                          "steps compile. H200, seq 2048: update MFU 0.38 -> 0.58 (Qwen3-1.7B), 0.55 -> 0.69 (8B)."},
     )
 
     # --- inherited GRPO fields the trainer owns ---
@@ -218,6 +225,10 @@ class SearchR1Config(GRPOConfig):
     collapse_em_drop: float = knob("collapse_guard", "em_drop")
     collapse_searches_drop: float = knob("collapse_guard", "searches_drop")
     collapse_entropy_drop: float = knob("collapse_guard", "entropy_drop")
+
+    # --- asynchronous rollouts (searchr1_trl/async_rollouts.py) ---
+    async_rollouts: bool = knob("async_rollouts", "enabled")
+    max_staleness: int = knob("async_rollouts", "max_staleness")
 
     # --- generator ---
     generator: str = field(
@@ -313,7 +324,7 @@ class SearchR1Task:
 
     train_stream: SearchR1Dataset
     eval_samples: list[SearchR1Sample]  # [] when the recipe never validates
-    env: SearchR1Env
+    envs: SearchR1EnvFactory  # one env per rollout
     rollout: RolloutConfig
     sampling: SamplingParams  # of training turns; validation is greedy with the same max_tokens
     rubric: Rubric
@@ -350,7 +361,7 @@ def build_task(args: SearchR1Config) -> SearchR1Task:
         train_stream=SearchR1Dataset(part_config(args, "train_stream")),
         eval_samples=held_out[:args.eval_num_samples],
         report_samples=held_out[args.eval_num_samples:],
-        env=SearchR1Env(part_config(args, "env")),
+        envs=SearchR1EnvFactory(part_config(args, "env")),
         rollout=part_config(args, "rollout"),
         sampling=replace(part_config(args, "sampling"), temperature=args.temperature, top_p=args.top_p),
         rubric=rubric,

@@ -8,15 +8,21 @@ What this subclass decides, and nothing more:
   :data:`CHECKPOINT_COMPLETE_FILE` marker last, and older checkpoints are rotated away only after the marker, so a
   kill at any moment leaves a complete checkpoint; ``resume_from_checkpoint=True`` takes the newest complete one.
 - **Rollouts** go through TRL's ``rollout_func`` hook: the generic :class:`~searchr1_trl.engine.rollout.RolloutEngine`
-  drives :class:`~searchr1_trl.search_r1.env.SearchR1Env`; the returned ``env_mask`` keeps tool tokens out of the loss.
-- **Rewards** are the :class:`~searchr1_trl.search_r1.rubric.Rubric`, a plain TRL reward function.
+  drives one :class:`~searchr1_trl.search_r1.env.SearchR1Env` per rollout, built for that row's sample; the returned
+  ``env_mask`` keeps tool tokens out of the loss.
+- **Rewards** are the :class:`~searchr1_trl.search_r1.rubric.Rubric`, a plain TRL reward function that scores each
+  rollout (handed on by ``rollout_func``) from its own sample.
 - **Generator weights** are pushed once per optimizer step, before its rollouts or a validation, by the
   :mod:`searchr1_trl.weight_sync` push the recipe names (TRL's NCCL path or a safetensors folder the vLLM server
   reloads). The in-process generator (``generator="transformers"``) uses the live model, no sync.
 - **Validation** is greedy rollouts over a fixed held-out slice, logged as EM overall and per data source.
-- **Two throughput levers of the policy update** (:mod:`searchr1_trl.update`, both off by default):
-  ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer) and ``padding_free`` (rollouts packed without
-  padding for the log-prob forward); the loss, tool tokens masked, is TRL's either way.
+- **Asynchronous rollouts** (``async_rollouts``, off by default; :mod:`searchr1_trl.async_rollouts`): the next
+  ``max_staleness`` steps' rollouts generate on the rollout loop, run in a background thread, while the trainer
+  updates; each is tagged with its policy version, bounded in staleness and weighted by ``pi_current / pi_behaviour``.
+- **Three throughput levers of the policy update** (:mod:`searchr1_trl.update`, all off by default):
+  ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer), ``padding_free`` (rollouts packed without
+  padding for the log-prob forward) and ``compile_layers`` (each decoder layer ``torch.compile``-d in place); the
+  loss, tool tokens masked, is TRL's either way.
 - **The saved model is the best validated one** (:mod:`searchr1_trl.collapse_guard`): a collapse stops training and
   it ends on the best checkpoint by validation EM, step 0 included; ``report_num_samples`` questions disjoint from
   the validation sample are evaluated beside it, as the figure to report.
@@ -32,6 +38,8 @@ fails, naming the entry, when the installed versions are not the pinned ones or 
 
 - ``trl.GRPOTrainer._get_per_token_logps_and_entropies``: overridden, packs the rows for ``padding_free``.
 - ``trl.GRPOTrainer._generate``: overridden, pushes the weights first, so TRL's own NCCL push finds them loaded.
+- ``trl.GRPOTrainer._generate_and_score_completions``: overridden, reads each row's sample for ``rollout_func``,
+  drops equal-reward groups and weights rollouts of older weights (``async_rollouts``).
 - ``transformers.Trainer._save_checkpoint``: overridden, stream state first, completeness marker last, rotation after.
 - ``trl.GRPOTrainer._generate_and_score_completions``: overridden, drops groups without reward spread
   (``drop_equal_reward_groups``) from the loss mask and the token count it returns.
@@ -65,14 +73,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
-from searchr1_trl import evaluation
+from searchr1_trl import async_rollouts, evaluation
 from searchr1_trl.collapse_guard import CollapseGuard
-from searchr1_trl.engine.generation import SamplingParams
 from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task, part_config
 from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1Sample
-from searchr1_trl.search_r1.env import SearchR1Env
-from searchr1_trl.update import packed_forward, with_fp32_master_weights
+from searchr1_trl.search_r1.env import SearchR1EnvFactory
+from searchr1_trl.update import compile_decoder_layers, packed_forward, with_fp32_master_weights
 from searchr1_trl.weight_sync import weight_push
 
 logger = logging.getLogger(__name__)
@@ -86,13 +93,9 @@ CHECKPOINT_COMPLETE_FILE = "searchr1_checkpoint_complete"  # written last: the c
 MAX_CONSECUTIVE_NONFINITE_STEPS = 3
 
 
-def _row(sample: SearchR1Sample, env: SearchR1Env) -> dict:
-    return {
-        "prompt": env.initial_messages(sample),
-        "question": sample.question,
-        "golden_answers": list(sample.golden_answers),
-        "data_source": sample.data_source,
-    }
+def _row(sample: SearchR1Sample, envs: SearchR1EnvFactory) -> dict:
+    """A training row: the sample's columns, and the prompt its env starts from (TRL requires one per row)."""
+    return {"prompt": envs().reset(sample), **sample.as_row()}
 
 
 class QuestionBatches:
@@ -103,20 +106,25 @@ class QuestionBatches:
     but from a stream whose position is exactly the number of optimizer steps taken, so it can be checkpointed.
     """
 
-    def __init__(self, stream: SearchR1Dataset, env: SearchR1Env, args: SearchR1Config, process_index: int,
+    def __init__(self, stream: SearchR1Dataset, envs: SearchR1EnvFactory, args: SearchR1Config, process_index: int,
                  num_processes: int):
-        self.stream, self.env = stream, env
+        self.stream, self.envs = stream, envs
         self.questions_per_step = args.generation_batch_size // args.num_generations
         self.num_generations = args.num_generations
         self.repeats = args.steps_per_generation * args.num_iterations
         self.process_index, self.num_processes = process_index, num_processes
+        self.source = self.draw  # where each step's rows come from (async_rollouts draws them ahead)
+
+    def draw(self) -> list[dict]:
+        """This process's rows of the next optimizer step."""
+        samples = [next(self.stream) for _ in range(self.questions_per_step)]
+        rows = [_row(s, self.envs) for s in samples for _ in range(self.num_generations)]
+        per_process = len(rows) // self.num_processes
+        return rows[self.process_index * per_process:(self.process_index + 1) * per_process]
 
     def __iter__(self):
         while True:
-            samples = [next(self.stream) for _ in range(self.questions_per_step)]
-            rows = [_row(s, self.env) for s in samples for _ in range(self.num_generations)]
-            per_process = len(rows) // self.num_processes
-            local = rows[self.process_index * per_process:(self.process_index + 1) * per_process]
+            local = self.source()
             for _ in range(self.repeats):
                 yield local
 
@@ -163,26 +171,35 @@ class SearchR1Trainer(GRPOTrainer):
     def __init__(self, model, args: SearchR1Config, processing_class=None, peft_config=None,
                  task: SearchR1Task | None = None, reward_funcs: list | None = None, **kwargs):
         self.task = task or build_task(args)
-        self.train_stream, self.eval_samples, self.env = self.task.train_stream, self.task.eval_samples, self.task.env
+        self.train_stream, self.eval_samples, self.envs = self.task.train_stream, self.task.eval_samples, self.task.envs
+        self._batch_samples: list[SearchR1Sample] = []  # of the rows being rolled out, in order
         self._loop: asyncio.AbstractEventLoop | None = None
         self._synced_step = -1
         # TRL requires a dataset object; this one describes the stream, the real batches come from QuestionBatches.
         train_dataset = datasets.IterableDataset.from_generator(lambda: iter(()))
-        eval_dataset = datasets.Dataset.from_list([_row(s, self.env) for s in self.eval_samples]) or None
+        eval_dataset = datasets.Dataset.from_list([_row(s, self.envs) for s in self.eval_samples]) or None
         super().__init__(
             model=model, reward_funcs=reward_funcs or [self.task.rubric], args=args, train_dataset=train_dataset,
             eval_dataset=eval_dataset if len(self.eval_samples) else None, processing_class=processing_class,
             peft_config=peft_config, rollout_func=self._rollout_func, **kwargs,
         )
         self.add_callback(NonFiniteGradientGuard(self._metrics["train"]))
+        if args.compile_layers:
+            compile_decoder_layers(self.model)
         self.collapse_guard = None
         if args.collapse_guard and args.load_best_model_at_end:  # set by the recipe wherever training validates
             self.collapse_guard = CollapseGuard(part_config(args, "collapse_guard"))
             self.add_callback(self.collapse_guard)
         self.engine = RolloutEngine(self.processing_class, self.task.generator(self.model, self.processing_class),
-                                    self.env, self.task.rollout)
+                                    self.envs, self.task.rollout)
         self.weight_push = (weight_push(args, self.accelerator, getattr(self, "vllm_generation", None))
                             if args.generator == "vllm" else None)
+        self.pipeline: async_rollouts.RolloutPipeline | None = None  # made with the dataloader, under async_rollouts
+        if args.async_rollouts:
+            async_rollouts.check_recipe(args, self.is_deepspeed_enabled)
+            if args.generator == "transformers":
+                self.weight_push = async_rollouts.SnapshotPush(self.accelerator.unwrap_model(self.model))
+                self.engine.generator.model = self.weight_push.model
 
     # ---- policy update -----------------------------------------------------------------------------------------
 
@@ -216,12 +233,20 @@ class SearchR1Trainer(GRPOTrainer):
                 torch.stack(aux_losses).mean() if compute_aux_loss else None)
 
     def _generate_and_score_completions(self, inputs):
-        # Extends GRPOTrainer._generate_and_score_completions (TRL 1.16): with drop_equal_reward_groups, a group whose
-        # advantages are all ~0 (equal rewards; TRL divides by std + 1e-4, so float noise stays far below 0.01 while
-        # a group with spread has |advantage| ~1) leaves the loss mask and the DAPO token count.
+        # Extends GRPOTrainer._generate_and_score_completions (TRL 1.16), which hands rollout_func only the prompts:
+        # each rollout gets its own row's sample, as TRL's environment_factory gets reset(**row). Then it drops
+        # equal-reward groups and weights rollouts sampled by older weights (async_rollouts).
+        self._batch_samples = [SearchR1Sample.from_row(row) for row in inputs]
         output = super()._generate_and_score_completions(inputs)
-        if not (self.args.drop_equal_reward_groups and self.model.training):
-            return output
+        if self.args.drop_equal_reward_groups and self.model.training:
+            output = self._drop_equal_reward_groups(output)
+        if self.pipeline is not None and self.model.training:
+            output = self._weight_stale_rollouts(output)
+        return output
+
+    def _drop_equal_reward_groups(self, output: dict) -> dict:
+        """A group whose advantages are all ~0 (equal rewards; TRL divides by std + 1e-4, so float noise stays far
+        below 0.01 while a group with spread has |advantage| ~1) leaves the loss mask and the DAPO token count."""
         advantages = output["advantages"]
         if advantages.numel() % self.num_generations:
             raise ValueError(f"drop_equal_reward_groups: this process holds {advantages.numel()} rollouts, not whole "
@@ -233,45 +258,66 @@ class SearchR1Trainer(GRPOTrainer):
         output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return output
 
+    def _weight_stale_rollouts(self, output: dict) -> dict:
+        """With async_rollouts, the advantages weighted by pi_current / pi_behaviour where TRL did not weight the loss
+        (:func:`~searchr1_trl.async_rollouts.weight_by_behaviour`)."""
+        def proximal_logps():
+            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            with torch.no_grad():
+                return self._get_per_token_logps_and_entropies(
+                    self.model, ids, mask, output["completion_ids"].size(1),
+                    batch_size=self.args.per_device_train_batch_size)[0]
+        return async_rollouts.weight_by_behaviour(output, proximal_logps, self.args, self._metrics["train"])
+
     # ---- rollouts ----------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _event_loop(self):
         """The loop rollouts run on. The outermost caller (``train()``, a standalone ``evaluate()`` or rollout)
-        opens it and closes it when done, with the generator's and the retriever's connections."""
+        opens it and closes it when done, with the generator's and the retriever's connections. Under
+        ``async_rollouts`` it runs in a thread of its own, so launched rollouts go on while the trainer updates."""
         if self._loop is not None:
             yield self._loop
             return
         self._loop = asyncio.new_event_loop()
+        thread = async_rollouts.start_in_thread(self._loop) if self.args.async_rollouts else None
         try:
             yield self._loop
         finally:
             try:
-                self._loop.run_until_complete(self.engine.generator.aclose())
-                self._loop.run_until_complete(self.env.aclose())
+                if self.pipeline is not None:
+                    self.pipeline.cancel()
+                async_rollouts.run_on(self._loop, self.engine.generator.aclose())
+                async_rollouts.run_on(self._loop, self.envs.aclose())
             finally:
+                if thread is not None:
+                    async_rollouts.stop_thread(self._loop, thread)
                 self._loop.close()
                 self._loop = None
-
-    def _run_rollouts(self, prompts: list[list[dict]], params: SamplingParams) -> list[Rollout]:
-        """Roll out every prompt concurrently."""
-        return self._run_on_generator(self.engine.run_messages(prompts, params))
 
     def _run_on_generator(self, coroutine):
         """Run a coroutine that generates on the rollout loop; the in-process generator needs the full (ZeRO-3
         gathered) model."""
         with self._event_loop() as loop:
-            if self.args.generator == "transformers":
+            if self.args.generator == "transformers" and not self.args.async_rollouts:  # async: the snapshot's
                 with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped:
                     self.engine.generator.model = unwrapped
                     return loop.run_until_complete(coroutine)
-            return loop.run_until_complete(coroutine)
+            return async_rollouts.run_on(loop, coroutine)
 
     def _rollout_func(self, prompts: list[list[dict]], trainer) -> dict:
-        """TRL's rollout hook: multi-turn rollouts for this process's prompts, plus what the rubric and logs need."""
+        """TRL's rollout hook: one multi-turn rollout per row of this process's batch, each in an env built for its
+        sample, plus what the rubric and logs need."""
+        if len(self._batch_samples) != len(prompts):
+            raise ValueError(f"rollout_func got {len(prompts)} prompts for {len(self._batch_samples)} rows; TRL no "
+                             f"longer hands it one prompt per row (SearchR1Trainer relies on TRL 1.16's layout)")
         mode = "train" if self.model.training else "eval"
         start = time.perf_counter()
-        rollouts = self._run_rollouts(prompts, self.task.sampling)
+        if self.pipeline is not None and mode == "train":
+            rollouts = self.pipeline.take(self.state.global_step, self._batch_samples, self.state.max_steps)
+        else:
+            rollouts = self._run_on_generator(self.engine.run(self._batch_samples, self.task.sampling))
         self._log_rollouts(mode, rollouts, time.perf_counter() - start)
         return {
             "prompt_ids": [r.prompt_ids for r in rollouts],
@@ -281,6 +327,7 @@ class SearchR1Trainer(GRPOTrainer):
             "messages": [r.messages for r in rollouts],
             "status": [r.status.value for r in rollouts],
             "num_tool_calls": [r.num_tool_calls for r in rollouts],
+            "rollout": rollouts,  # the rubric scores each from its own sample
         }
 
     def _log_rollouts(self, mode: str, rollouts: list[Rollout], seconds: float) -> None:
@@ -292,7 +339,7 @@ class SearchR1Trainer(GRPOTrainer):
         metrics["rollout/turns_per_rollout"].append(sum(r.num_turns for r in rollouts) / len(rollouts))
         metrics["rollout/generated_tokens"].append(sum(sum(r.env_mask) for r in rollouts))
         metrics["rollout/time_s"].append(seconds)
-        env_metrics = self.env.metrics()
+        env_metrics = self.envs.metrics()
         for key, value in env_metrics.items():
             metrics[key].append(value)
         if mode == "train":
@@ -323,14 +370,18 @@ class SearchR1Trainer(GRPOTrainer):
         right after step N would sample from step N-1's weights; both paths go through here instead, timed as
         ``weight_sync/time_s``, and TRL's own check then sees the step as already loaded.
         """
-        if self.args.generator != "vllm" or self._synced_step == self.state.global_step:
+        if self.weight_push is None or self._synced_step == self.state.global_step:
             return
-        nccl = self.args.weight_sync == "nccl"
+        nccl = self.args.weight_sync == "nccl" and self.args.generator == "vllm"
         if nccl or self.state.global_step > 0 or self._synced_step >= 0:  # the server starts with step 0's weights
+            if self.pipeline is not None:
+                self.pipeline.drain()  # in-flight rollouts finish on the weights they started with
             start = time.perf_counter()
             self.weight_push.push(self.model)
             self._metrics["train"]["weight_sync/time_s"].append(time.perf_counter() - start)
         self._synced_step = self.state.global_step
+        if self.pipeline is not None:
+            self.pipeline.pushed(self.state.global_step)
         if nccl:
             self._last_loaded_step = self.state.global_step
 
@@ -341,6 +392,8 @@ class SearchR1Trainer(GRPOTrainer):
         pass, the report slice: greedy rollouts, EM overall and per data source, searches and turns per rollout,
         status fractions and what the search policy learned, as ``<prefix>_*`` and ``report_*`` via the trainer's log.
         Training's step-0 validation is saved as a best-checkpoint candidate when the collapse guard is on."""
+        if self.pipeline is not None:
+            self.pipeline.drain()  # validation runs alone
         self._sync_generator_weights()
         held_out = [(metric_key_prefix, s) for s in self.eval_samples]
         held_out += [("report", s) for s in self.task.report_samples]
@@ -376,8 +429,16 @@ class SearchR1Trainer(GRPOTrainer):
     # ---- data, checkpoint and resume ---------------------------------------------------------------------------
 
     def get_train_dataloader(self):
-        return QuestionBatches(self.train_stream, self.env, self.args, self.accelerator.process_index,
-                               self.accelerator.num_processes)
+        batches = QuestionBatches(self.train_stream, self.envs, self.args, self.accelerator.process_index,
+                                  self.accelerator.num_processes)
+        if self.args.async_rollouts:
+            batches.source = async_rollouts.Lookahead(batches.draw, self.train_stream.state_dict)
+            self.pipeline = async_rollouts.RolloutPipeline(
+                lambda samples: asyncio.run_coroutine_threadsafe(
+                    self.engine.run(samples, self.task.sampling), self._loop),
+                batches.source, lambda rows: [SearchR1Sample.from_row(row) for row in rows], self.args.max_staleness,
+                self._metrics["train"])
+        return batches
 
     def _save_checkpoint(self, model, trial):
         # Extends Trainer/GRPOTrainer._save_checkpoint (transformers 5.24, TRL 1.16): the stream position first, the
@@ -387,7 +448,9 @@ class SearchR1Trainer(GRPOTrainer):
         folder = run_dir / f"checkpoint-{self.state.global_step}"
         if self.args.should_save:
             (folder / CHECKPOINT_COMPLETE_FILE).unlink(missing_ok=True)  # a folder saved again is incomplete meanwhile
-            _write_atomically(folder / STREAM_STATE_FILE, json.dumps(self.train_stream.state_dict()))
+            # under async_rollouts the questions drawn ahead are served again after a resume
+            stream = self.pipeline.lookahead if self.pipeline is not None else self.train_stream
+            _write_atomically(folder / STREAM_STATE_FILE, json.dumps(stream.state_dict()))
         limit, self.args.save_total_limit = self.args.save_total_limit, None
         try:
             super()._save_checkpoint(model, trial)

@@ -1,5 +1,6 @@
-"""Two levers on the policy update's throughput that keep its numbers: fp32 master weights for bf16 models, and
-padding-free packing of rollouts. Both are off by default; ``SearchR1Config`` switches them on.
+"""Three levers on the policy update's throughput that keep its numbers: fp32 master weights for bf16 models,
+padding-free packing of rollouts and compiled decoder layers. All are off by default; ``SearchR1Config`` switches them
+on.
 
 - **fp32 master weights** (``fp32_master_weights``, with the model loaded in bfloat16): the optimizer keeps an fp32
   copy of every bf16 weight in its state, steps that copy with the gradients cast to fp32, and writes it back rounded
@@ -13,11 +14,18 @@ padding-free packing of rollouts. Both are off by default; ``SearchR1Config`` sw
   transformers reads the restarts as sequence boundaries and masks attention across them (sdpa, eager,
   flex_attention). The log-probs land back where the padded batch has them, so the loss (tool tokens masked) is
   unchanged. It saves the padding's compute; a batch without padding packs to itself.
+- **compiled decoder layers** (``compile_layers``): ``torch.compile`` of each decoder layer in place
+  (``nn.Module.compile``: parameter names, state dicts, hooks and the weight pushes unchanged), not of the whole model,
+  so a graph is one layer's and the fused LM head and the loss stay TRL's. On an H200
+  (``benchmarks/policy_update.py --compile_layers``, seq 2048, bf16) it raised the update's MFU from 0.383 to 0.577
+  (Qwen3-1.7B) and 0.554 to 0.694 (Qwen3-8B). The first steps compile (a new sequence length can recompile);
+  in-process generation runs through the same compiled layers.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 
 class Fp32MasterWeights:
@@ -142,3 +150,16 @@ def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     outputs.log_probs, outputs.entropy = unpack(outputs.log_probs), unpack(outputs.entropy)
     return outputs
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """``torch.compile`` every decoder layer of ``model`` (a transformers model, PEFT-wrapped or not) in place; returns
+    how many. Decoder layers are transformers' ``GradientCheckpointingLayer`` modules, which every decoder model's
+    layers are; ValueError for a model without any, where there is nothing this lever would compile."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"compile_layers=True but {type(model).__name__} has no transformers decoder layers "
+                         "(GradientCheckpointingLayer modules) to compile; drop compile_layers")
+    for layer in layers:
+        layer.compile()
+    return len(layers)

@@ -81,10 +81,11 @@ def assistant_turn_ids(engine: RolloutEngine, messages: list[dict], turn: dict, 
     return rest[: end + 1]
 
 
-async def scripted_trace(tokenizer, env, config, sample, end_ids: set[int]) -> Rollout:
-    """One teacher rollout of ``sample``: search the question, then answer with the first golden answer that the
-    passages contain (the first golden answer when none does; such traces are filtered by :func:`keep`)."""
-    messages = env.initial_messages(sample)
+async def scripted_trace(tokenizer, envs, config, sample, end_ids: set[int]) -> Rollout:
+    """One teacher rollout of ``sample`` in an env of ``envs``: search the question, then answer with the first golden
+    answer that the passages contain (the first golden answer when none does; such traces are filtered by
+    :func:`keep`)."""
+    messages = envs().reset(sample)
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": SEARCH_TOOL_NAME, "arguments": {"query": sample.question}}}]}
 
@@ -101,7 +102,7 @@ async def scripted_trace(tokenizer, env, config, sample, end_ids: set[int]) -> R
         tool = {"role": "tool", "name": SEARCH_TOOL_NAME, "content": "..."}
         return assistant_turn_ids(engine, [*messages, call, tool], reply, end_ids)
 
-    engine = RolloutEngine(tokenizer, ScriptedTurns([search, answer]), env, config)
+    engine = RolloutEngine(tokenizer, ScriptedTurns([search, answer]), envs, config)
     return await engine.rollout(sample, SamplingParams.greedy(max_tokens=1 << 20))
 
 
@@ -112,11 +113,11 @@ def keep(rollout: Rollout) -> bool:
             and retrieval_surfaced_gold(rollout.messages, {normalize_answer(answer)}))
 
 
-async def scripted_traces(tokenizer, env, config, samples, end_ids: set[int], chunk: int = 256) -> list[Rollout]:
+async def scripted_traces(tokenizer, envs, config, samples, end_ids: set[int], chunk: int = 256) -> list[Rollout]:
     """Teacher rollouts of every sample, ``chunk`` at a time (their searches reach the retriever batched)."""
     rollouts: list[Rollout] = []
     for start in range(0, len(samples), chunk):
-        rollouts += await asyncio.gather(*(scripted_trace(tokenizer, env, config, s, end_ids)
+        rollouts += await asyncio.gather(*(scripted_trace(tokenizer, envs, config, s, end_ids)
                                            for s in samples[start:start + chunk]))
     return rollouts
 
@@ -141,7 +142,7 @@ def warm_start(args, model_args, task) -> str:
     except OSError:  # a checkpoint without generation_config.json: the tokenizer's end tokens
         generation_config = None
     end_ids = set(end_token_ids(tokenizer, generation_config))
-    rollouts = asyncio.run(_traces_then_close(tokenizer, task.env, task.rollout, samples, end_ids))
+    rollouts = asyncio.run(_traces_then_close(tokenizer, task.envs, task.rollout, samples, end_ids))
     traces = [r for r in rollouts if keep(r)]
     logger.info("warm start: %d of %d scripted traces have a golden answer in their passages", len(traces),
                 len(rollouts))
@@ -176,8 +177,8 @@ def warm_start(args, model_args, task) -> str:
     return str(output_dir)
 
 
-async def _traces_then_close(tokenizer, env, config, samples, end_ids) -> list[Rollout]:
+async def _traces_then_close(tokenizer, envs, config, samples, end_ids) -> list[Rollout]:
     try:
-        return await scripted_traces(tokenizer, env, config, samples, end_ids)
+        return await scripted_traces(tokenizer, envs, config, samples, end_ids)
     finally:
-        await env.aclose()
+        await envs.aclose()

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from searchr1_trl.engine.rollout import EnvStep, MessageEnv
+from searchr1_trl.engine.rollout import EnvFactory, EnvStep, MessageEnv
 from searchr1_trl.processes import free_port
 from searchr1_trl.search_r1.data import SearchR1Sample
 from searchr1_trl.search_r1.env import (
@@ -24,8 +24,8 @@ from searchr1_trl.search_r1.env import (
     INSTRUCTION,
     RESTATEMENT,
     SEARCH_TOOL,
-    SearchR1Env,
     SearchR1EnvConfig,
+    SearchR1EnvFactory,
 )
 from searchr1_trl.search_r1.retrieval import RetrievalClient, _passages_to_string
 
@@ -99,8 +99,8 @@ def fake_retriever(fake_retriever_server):
     return fake_retriever_server
 
 
-def env_for(url: str, **overrides) -> SearchR1Env:
-    return SearchR1Env(SearchR1EnvConfig(search_url=url, retry_backoff_s=0.01, **overrides))
+def env_for(url: str, **overrides) -> SearchR1EnvFactory:
+    return SearchR1EnvFactory(SearchR1EnvConfig(search_url=url, retry_backoff_s=0.01, **overrides))
 
 
 def search_call(arguments, name="search") -> dict:
@@ -111,11 +111,14 @@ def assistant(*calls, content="") -> dict:
     return {"role": "assistant", "content": content, "tool_calls": list(calls)}
 
 
-QUESTION = {"role": "user", "content": "Question: Where is the Eiffel Tower?"}
+async def env_step(envs: SearchR1EnvFactory, message: dict, sample: SearchR1Sample = SAMPLE) -> EnvStep:
+    """The answer to ``message``, the first turn of a rollout of ``sample`` in an env of its own."""
+    env = envs()
+    return await env.step([*env.reset(sample), message])
 
 
-def step(env: SearchR1Env, message: dict) -> EnvStep:
-    return asyncio.run(env.step([QUESTION, message]))
+def step(envs: SearchR1EnvFactory, message: dict) -> EnvStep:
+    return asyncio.run(env_step(envs, message))
 
 
 def fake_passages(query: str, topk: int = 3) -> str:
@@ -123,10 +126,10 @@ def fake_passages(query: str, topk: int = 3) -> str:
 
 
 def test_the_only_tool_is_search_with_one_required_string_query():
-    env = SearchR1Env()
+    envs = SearchR1EnvFactory()
 
-    assert isinstance(env, MessageEnv)
-    assert env.tools == [SEARCH_TOOL]
+    assert isinstance(envs, EnvFactory) and isinstance(envs(), MessageEnv)
+    assert envs.tools == [SEARCH_TOOL]
     function = SEARCH_TOOL["function"]
     assert SEARCH_TOOL["type"] == "function" and function["name"] == "search"
     assert "Wikipedia" in function["description"] and "passages" in function["description"]
@@ -137,16 +140,16 @@ def test_the_only_tool_is_search_with_one_required_string_query():
     }
 
 
-def test_initial_messages_are_the_instruction_then_the_question_as_one_user_message():
-    assert SearchR1Env().initial_messages(SAMPLE) == [
+def test_reset_starts_the_rollout_with_the_instruction_then_the_question_as_one_user_message():
+    assert SearchR1EnvFactory()().reset(SAMPLE) == [
         {"role": "user", "content": f"{INSTRUCTION}\n\nQuestion: Where is the Eiffel Tower?"}
     ]
     assert "search" in INSTRUCTION and "only the answer" in INSTRUCTION and "Beijing" in INSTRUCTION
 
 
 def test_the_chat_template_renders_the_tool_and_the_question(tokenizer):
-    env = SearchR1Env()
-    messages = env.initial_messages(SAMPLE)
+    env = SearchR1EnvFactory()
+    messages = env().reset(SAMPLE)
 
     prompt = tokenizer.apply_chat_template(messages, tools=env.tools, add_generation_prompt=True, tokenize=False)
 
@@ -161,7 +164,7 @@ def test_the_chat_template_renders_the_tool_and_the_question(tokenizer):
 
 def test_the_chat_template_renders_tool_calls_and_search_results(tokenizer):
     messages = [
-        *SearchR1Env().initial_messages(SAMPLE),
+        *SearchR1EnvFactory()().reset(SAMPLE),
         assistant(search_call({"query": "Eiffel Tower"})),
         {"role": "tool", "name": "search", "content": "Doc 1(Title: Eiffel Tower) A tower in Paris."},
     ]
@@ -185,7 +188,7 @@ def test_passages_are_formatted_one_doc_per_line_with_their_title():
     {"role": "assistant", "content": "Paris", "tool_calls": []},
 ], ids=["no tool_calls", "empty tool_calls"])
 def test_a_turn_without_tool_calls_is_done(message):
-    assert step(SearchR1Env(), message) == EnvStep(messages=[], done=True)
+    assert step(SearchR1EnvFactory(), message) == EnvStep(messages=[], done=True)
 
 
 def test_a_search_call_gets_one_tool_message_with_the_passages(fake_retriever):
@@ -258,9 +261,9 @@ def test_concurrent_rollouts_share_one_request_and_identical_queries_are_sent_on
 
     async def three_rollouts():
         return await asyncio.gather(
-            env.step([QUESTION, assistant(search_call({"query": "Eiffel Tower"}))]),
-            env.step([QUESTION, assistant(search_call({"query": "Eiffel Tower"}))]),
-            env.step([QUESTION, assistant(search_call({"query": "Louvre"}))]),
+            env_step(env, assistant(search_call({"query": "Eiffel Tower"}))),
+            env_step(env, assistant(search_call({"query": "Eiffel Tower"}))),
+            env_step(env, assistant(search_call({"query": "Louvre"}))),
         )
 
     results = asyncio.run(three_rollouts())
@@ -292,8 +295,8 @@ def test_searches_of_different_instants_are_separate_requests(fake_retriever):
     env = env_for(fake_retriever.url)
 
     async def two_turns():
-        await env.step([QUESTION, assistant(search_call({"query": "a"}))])
-        await env.step([QUESTION, assistant(search_call({"query": "b"}))])
+        await env_step(env, assistant(search_call({"query": "a"})))
+        await env_step(env, assistant(search_call({"query": "b"})))
 
     asyncio.run(two_turns())
 
@@ -386,7 +389,7 @@ def test_a_bad_config_is_refused_when_built(overrides, problem):
 
 @pytest.mark.slow  # the session's retriever_url fixture embeds and indexes the test corpus first
 def test_the_real_retrieval_server_returns_formatted_passages(retriever_url):
-    env = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url))
+    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url))
 
     result = step(env, assistant(
         search_call({"query": "Super Bowl 50 AFC champion team"}), search_call('{"query": "Super Bowl 50 venue"}')
@@ -405,12 +408,22 @@ def test_the_real_retrieval_server_returns_formatted_passages(retriever_url):
 def test_restated_question_follows_the_passages_of_a_search_but_not_an_error(retriever_url):
     sample = SearchR1Sample("Which team won Super Bowl 50?", ("Denver Broncos",))
     calls = assistant(search_call({"query": "Super Bowl 50 champion"}), search_call({"query": ""}))
-    restating = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url, restate_question=True))
-    plain = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url))
+    restating = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url, restate_question=True))
+    plain = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url))
 
-    passages, error = asyncio.run(restating.step([*restating.initial_messages(sample), calls])).messages
-    plain_passages, _ = asyncio.run(plain.step([*plain.initial_messages(sample), calls])).messages
+    passages, error = asyncio.run(env_step(restating, calls, sample)).messages
+    plain_passages, _ = asyncio.run(env_step(plain, calls, sample)).messages
 
     assert passages["content"] == f"{plain_passages['content']}\n\n{RESTATEMENT.format(question=sample.question)}"
     assert plain_passages["content"].startswith("Doc 1(Title: ") and "Question:" not in plain_passages["content"]
     assert error["content"] == EMPTY_QUERY_MESSAGE
+
+
+def test_the_restatement_is_the_envs_own_question_never_one_read_from_the_prompt(fake_retriever):
+    env = env_for(fake_retriever.url, restate_question=True)()
+    env.reset(SAMPLE)
+    elsewhere = {"role": "user", "content": "Question: Who built the Louvre?"}  # not what reset built
+
+    result = asyncio.run(env.step([elsewhere, assistant(search_call({"query": "a"}))]))
+
+    assert result.messages[0]["content"] == f"{fake_passages('a')}\n\n{RESTATEMENT.format(question=SAMPLE.question)}"

@@ -1,4 +1,4 @@
-"""Reliability of the retrieval client (issue 13, F9 and the client half of F1): every fault a retriever can show
+"""Reliability of the retrieval client: every fault a retriever can show
 costs at most the searches it answers, within stated time bounds.
 
 Injected faults (hang, drip, 500, 429, garbage, wrong shape, oversized) come from a scripted server on a real loopback

@@ -1,4 +1,4 @@
-"""Reliability around the job (issue 13, F6 and F11): recipe commands keep servers off the network, servers die
+"""Reliability around the job: recipe commands keep servers off the network, servers die
 with whoever started them, and a child killed by a signal is reported with its likely cause and peak memory.
 
 The killed parent starts the real retrieval server, and a process tree standing in for vLLM (a shell with a child
@@ -23,7 +23,7 @@ import pytest
 from searchr1_trl.processes import free_port, run_reporting
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER_COMMANDS = re.compile(r"(trl vllm-serve|searchr1-retriever) ")
+SERVER_COMMANDS = re.compile(r"(trl vllm-serve|vllm serve|searchr1-retriever) ")
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))

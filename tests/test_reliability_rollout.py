@@ -1,4 +1,4 @@
-"""Reliability of the rollout path (issue 13, F1 and F2): a malformed turn ends only its own rollout, as
+"""Reliability of the rollout path: a malformed turn ends only its own rollout, as
 ``ERROR_PARSE``, and never reaches the environment, the chat template or another rollout's search.
 
 Turns go through the real path: the Qwen2.5 tokenizer, its response parser (searchr1_trl.engine.parsing), the Search-R1
@@ -20,10 +20,10 @@ from searchr1_trl.engine.generation import Generation, Generator, SamplingParams
 from searchr1_trl.engine.parsing import response_parser
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine, RolloutStatus
 from searchr1_trl.search_r1.data import SearchR1Sample
-from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 
 GOOD_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "Super Bowl 50 winner"}}\n</tool_call>'
-F1_SHAPES = {
+SURROGATE_SHAPES = {
     "surrogate in the query":
         '<tool_call>\n{"name": "search", "arguments": {"query": "Notre Dame \\ud800"}}\n</tool_call>',
     "surrogate in the tool name": '<tool_call>\n{"name": "se\\udc00arch", "arguments": {"query": "x"}}\n</tool_call>',
@@ -31,7 +31,7 @@ F1_SHAPES = {
                                      '\n</tool_call>',
     "bare JSON call with a surrogate": '{"name": "search", "arguments": {"query": "\\udfff"}}',
 }
-F2_SHAPES = {
+DEEP_SHAPES = {
     "990 nested arrays": '<tool_call>\n{"name": "search", "arguments": {"query": ' + "[" * 990 + "]" * 990
                          + '}}\n</tool_call>',
     "990 nested arrays, unclosed": "<tool_call>\n" + "[" * 990 + "\n</tool_call>",
@@ -58,7 +58,7 @@ class ScriptedGenerator(Generator):
         return Generation(ids, [-0.1] * len(ids), "stop")
 
 
-def run(tokenizer, env: SearchR1Env, first: list[str]):
+def run(tokenizer, env: SearchR1EnvFactory, first: list[str]):
     """Rollouts of questions q0..qN whose first turns are ``first``, all at once."""
     engine = RolloutEngine(tokenizer, ScriptedGenerator(tokenizer, first), env,
                            RolloutConfig(max_turns=2, max_rollout_tokens=32768, bare_json_tool_calls=True))
@@ -80,11 +80,11 @@ READ_AS_ANSWER_OR_ANSWERED = {"bare JSON, 990 nested", "bare JSON, 5,000 digits"
 
 
 @pytest.mark.slow  # starts or uses the real retrieval server
-@pytest.mark.parametrize("shape", [*F1_SHAPES, *F2_SHAPES])
+@pytest.mark.parametrize("shape", [*SURROGATE_SHAPES, *DEEP_SHAPES])
 def test_a_malformed_turn_ends_only_its_own_rollout_and_costs_no_other_search(tokenizer, retriever_url, shape,
                                                                               reliability_figures):
-    turn = {**F1_SHAPES, **F2_SHAPES}[shape]
-    env = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url))
+    turn = {**SURROGATE_SHAPES, **DEEP_SHAPES}[shape]
+    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url))
 
     rollouts = run(tokenizer, env, [turn] + [GOOD_CALL] * 7)
 
@@ -99,8 +99,8 @@ def test_a_malformed_turn_ends_only_its_own_rollout_and_costs_no_other_search(to
                                                                             for r in rollouts[1:])}
 
 
-class InProcessEnv(SearchR1Env):
-    """The Search-R1 environment with searches answered in-process (the property test runs 10,000 completions)."""
+class InProcessEnv(SearchR1EnvFactory):
+    """The Search-R1 environments with searches answered in-process (the property test runs 10,000 completions)."""
 
     def __init__(self):
         super().__init__(SearchR1EnvConfig())
@@ -135,6 +135,13 @@ completion = st.one_of(
 USER = {"role": "user", "content": "Question: q"}
 
 
+async def one_step(envs: SearchR1EnvFactory, message: dict):
+    """The answer to ``message`` as the first turn of its own rollout of the question "q"."""
+    env = envs()
+    env.reset(SearchR1Sample(question="q", golden_answers=("Paris",)))
+    return await env.step([USER, message])
+
+
 @pytest.mark.slow  # 10,000 completions through the tokenizer and chat template: about a minute
 def test_ten_thousand_fuzzed_completions_parse_step_and_render_without_raising(tokenizer, reliability_figures):
     """Property: any turn either fails to parse (the rollout's ERROR_PARSE) or gives a message the environment
@@ -156,7 +163,7 @@ def test_ten_thousand_fuzzed_completions_parse_step_and_render_without_raising(t
             parsed = [m for m in messages if m is not None]
 
             async def steps():
-                return await asyncio.gather(*(env.step([USER, m]) for m in parsed))
+                return await asyncio.gather(*(one_step(env, m) for m in parsed))
 
             for message, step in zip(parsed, asyncio.run(steps()), strict=True):
                 tokenizer.apply_chat_template([USER, message, *step.messages], tools=tools, tokenize=True,

@@ -1,4 +1,4 @@
-"""Reliability of the retrieval server under bad, hostile and heavy requests (issue 13, F3-F5 and F10).
+"""Reliability of the retrieval server under bad, hostile and heavy requests.
 
 Everything runs against the real server (uvicorn process, MiniLM encoder, exact faiss) of conftest, except the first
 test, which drives the real batcher with a search function that fails on one query: the real encoder fails only on

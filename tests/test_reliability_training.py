@@ -1,4 +1,4 @@
-"""Reliability of a training run (issue 13, F7 and F8): a kill -9 at any moment leaves a checkpoint to resume from
+"""Reliability of a training run: a kill -9 at any moment leaves a checkpoint to resume from
 exactly, and the weight-sync folder never takes a user's files with it.
 
 Training is the real trainer on the tiny model of conftest, generating in-process and searching the real retrieval

@@ -43,7 +43,7 @@ def test_unknown_pooling_is_refused_by_name():
 
 
 def test_the_encoder_tokenizes_as_the_transformers_call_does(offline_assets):
-    """The Rust tokenizer is called directly (issue 15: less GIL held per batch); its tensors must be the call's."""
+    """The Rust tokenizer is called directly (less GIL held per batch); its tensors must be the call's."""
     encoder = Encoder(EncoderConfig(retriever_model=offline_assets.embedder, max_length=12))
     texts = ["who won super bowl 50?", "x", "Zürich's 東京 café — naïve résumé " * 4, "  spaced   out  ", "a b c d"]
     expected = encoder.tokenizer(texts, padding=True, truncation=True, max_length=12, return_tensors="pt")

@@ -14,6 +14,7 @@ from conftest import LOOKUP_TOOL, template_tokenizer
 
 from searchr1_trl.engine.generation import Generation, Generator, SamplingParams
 from searchr1_trl.engine.rollout import (
+    EnvFactory,
     EnvStep,
     MessageEnv,
     RolloutConfig,
@@ -50,22 +51,20 @@ class ScriptedGenerator(Generator):
 
 
 class LookupEnv(MessageEnv):
-    """Tool calls get ``result for <query>``; an answer ends the rollout. ``step_delay_s`` slows chosen questions."""
+    """One rollout of the lookup task: a tool call gets ``result for <query>``; an answer ends the rollout."""
 
-    def __init__(self, step_delay_s: dict[str, float] | None = None):
-        self.tools = [LOOKUP_TOOL]
-        self.step_delay_s = step_delay_s or {}
-        self.stepped: list[dict] = []
+    def __init__(self, envs: LookupEnvs):
+        self.envs, self.sample = envs, None
 
-    def initial_messages(self, sample):
+    def reset(self, sample):
+        self.sample = sample
         return [{"role": "user", "content": f"Question: {sample}"}]
 
     async def step(self, messages):
         message = messages[-1]
-        self.stepped.append(message)
+        self.envs.stepped.append(message)
         calls = message.get("tool_calls") or []
-        question = calls[0]["function"]["arguments"]["query"] if calls else None
-        await asyncio.sleep(self.step_delay_s.get(question, 0.0))
+        await self.envs.before_step(message)
         if not calls:
             return EnvStep(messages=[], done=True)
         return EnvStep(
@@ -77,10 +76,29 @@ class LookupEnv(MessageEnv):
         )
 
 
+class LookupEnvs(EnvFactory):
+    """A :class:`LookupEnv` per rollout; records every env built and every message stepped on. ``step_delay_s``
+    slows the steps of chosen queries."""
+
+    def __init__(self, step_delay_s: dict[str, float] | None = None):
+        self.tools = [LOOKUP_TOOL]
+        self.step_delay_s = step_delay_s or {}
+        self.built: list[LookupEnv] = []
+        self.stepped: list[dict] = []
+
+    def __call__(self) -> LookupEnv:
+        self.built.append(LookupEnv(self))
+        return self.built[-1]
+
+    async def before_step(self, message: dict) -> None:
+        calls = message.get("tool_calls") or []
+        await asyncio.sleep(self.step_delay_s.get(calls[0]["function"]["arguments"]["query"] if calls else None, 0.0))
+
+
 def roll(tokenizer, script, config=None, params=SamplingParams(), env=None):
     """(rollouts in script order, generator, env) after running every scripted question."""
     generator = ScriptedGenerator(tokenizer, script)
-    env = env or LookupEnv()
+    env = env or LookupEnvs()
     engine = RolloutEngine(tokenizer, generator, env, config or RolloutConfig())
     return asyncio.run(engine.run(list(script), params)), generator, env
 
@@ -197,7 +215,7 @@ def test_tool_call_json_that_does_not_parse_is_error_parse(tokenizer):
 
 def test_an_env_step_slower_than_step_timeout_is_error_timeout(tokenizer):
     [rollout], _, _ = roll(tokenizer, {"q": [call("slow")]}, RolloutConfig(step_timeout_s=0.05),
-                           env=LookupEnv(step_delay_s={"slow": 5.0}))
+                           env=LookupEnvs(step_delay_s={"slow": 5.0}))
 
     assert rollout.status is RolloutStatus.ERROR_TIMEOUT
     assert rollout.timings["env_s"] < 5.0  # cut at the timeout, not at the step's end
@@ -256,7 +274,7 @@ def test_a_turn_ended_by_another_stop_token_gets_the_templates_end_of_turn_as_en
     assert tokenizer.decode(runs(rollout, 0)[0]).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>")
 
 
-class SlowUntilAnswered(LookupEnv):
+class SlowUntilAnswered(LookupEnvs):
     """The search for "slow" returns only once the answer ``until`` was given: a loop that ran rollouts one after
     another would never get there (the step's 5 s timeout would end "slow" as error_timeout)."""
 
@@ -264,13 +282,12 @@ class SlowUntilAnswered(LookupEnv):
         super().__init__()
         self.until, self.answered = until, asyncio.Event()
 
-    async def step(self, messages):
-        calls = messages[-1].get("tool_calls") or []
+    async def before_step(self, message: dict) -> None:
+        calls = message.get("tool_calls") or []
         if calls and calls[0]["function"]["arguments"]["query"] == "slow":
             await self.answered.wait()
-        elif messages[-1]["content"] == self.until:
+        elif message["content"] == self.until:
             self.answered.set()
-        return await super().step(messages)
 
 
 def test_a_slow_env_step_does_not_hold_back_other_rollouts(tokenizer):
@@ -284,6 +301,13 @@ def test_a_slow_env_step_does_not_hold_back_other_rollouts(tokenizer):
     assert (slow.sample, fast.sample) == ("slow", "fast")
     assert slow.status is fast.status is RolloutStatus.DONE
     assert [m.get("content") for m in env.stepped if not m.get("tool_calls")] == ["B", "A"]
+
+
+def test_each_rollout_gets_an_env_of_its_own_reset_with_its_sample(tokenizer):
+    [a, b], _, envs = roll(tokenizer, {"a": [call("x"), "A<|im_end|>"], "b": ["B<|im_end|>"]})
+
+    assert [env.sample for env in envs.built] == ["a", "b"] and envs.built[0] is not envs.built[1]
+    assert (a.sample, b.sample) == ("a", "b")
 
 
 def test_bare_json_tool_calls_are_tool_calls_only_when_enabled(tokenizer):
@@ -333,7 +357,7 @@ STEPS = [
 ])
 def test_env_tokens_and_prompts_are_the_whole_conversations_tokens(offline_assets, template, enable_thinking):
     tokenizer = template_tokenizer(offline_assets, template)
-    engine = RolloutEngine(tokenizer, ScriptedGenerator(tokenizer, {}), LookupEnv(),
+    engine = RolloutEngine(tokenizer, ScriptedGenerator(tokenizer, {}), LookupEnvs(),
                            RolloutConfig(enable_thinking=enable_thinking))
 
     for messages, env_messages, stop_token in STEPS:

@@ -14,7 +14,7 @@ import torch
 from searchr1_trl.engine.generation import SamplingParams, VLLMServerGenerator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine, RolloutStatus
 from searchr1_trl.search_r1.data import SearchR1Sample
-from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.search_r1.rubric import Rubric
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def questions(squad_dev_sample) -> list[SearchR1Sample]:
 @pytest.fixture(scope="module")
 def rollouts(vllm_server, retriever_url, tokenizer, questions):
     """(rollouts, env metrics) of greedy rollouts of every question."""
-    env = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url))
+    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url))
     generator = VLLMServerGenerator(vllm_server.base_url)
     # The offline Qwen2.5-Coder-0.5B-Instruct calls tools as bare JSON, never in <tool_call> tags (greedy or not).
     config = RolloutConfig(max_turns=2, max_rollout_tokens=2048, bare_json_tool_calls=True)

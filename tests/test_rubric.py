@@ -193,8 +193,8 @@ def test_rubric_is_a_trl_reward_function_that_logs_its_parts():
 
     rewards = rubric(
         prompts=[None] * 4, completions=[None] * 4, completion_ids=[[1], [2], [3], [4]],
-        messages=[SEARCHED_THEN_PARIS, SEARCHED_THEN_PARIS, PARIS_FROM_MEMORY, SEARCHED_THEN_WRONG],
-        golden_answers=[["Paris"]] * 4, status=["done", "truncated_length", RolloutStatus.DONE, "done"],
+        rollout=[rollout(SEARCHED_THEN_PARIS), rollout(SEARCHED_THEN_PARIS, RolloutStatus.TRUNCATED_LENGTH),
+                 rollout(PARIS_FROM_MEMORY), rollout(SEARCHED_THEN_WRONG)],
         log_metric=lambda name, value: logged.append((name, value)),
     )
 
@@ -205,10 +205,14 @@ def test_rubric_is_a_trl_reward_function_that_logs_its_parts():
     assert rubric.__name__ == "rubric"
 
 
-def test_without_status_nothing_counts_as_truncated():
-    rewards = Rubric()(prompts=[None], completions=[None], messages=[SEARCHED_THEN_PARIS], golden_answers=[["Paris"]])
+def test_the_rubric_scores_each_rollout_from_its_own_sample_not_from_trl_columns():
+    # TRL also passes every row column and extra field; a golden_answers column out of step with the rollouts (a
+    # reordered batch) must not decide the reward.
+    rewards = Rubric()(prompts=[None] * 2, completions=[None] * 2, golden_answers=[["Lyon"], ["Paris"]],
+                       messages=[SEARCHED_THEN_WRONG, SEARCHED_THEN_PARIS], status=["done", "done"],
+                       rollout=[rollout(SEARCHED_THEN_PARIS), rollout(SEARCHED_THEN_WRONG)])
 
-    assert rewards == [1.0]
+    assert rewards == [1.0, 0.0]
 
 
 def test_token_f1_follows_squad():

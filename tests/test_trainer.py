@@ -275,7 +275,7 @@ def test_a_resumed_run_draws_the_same_questions_as_an_uninterrupted_one(tiny_mod
         with contextlib.suppress(KeyboardInterrupt):
             trainer.train(resume_from_checkpoint=resume)
         # Also when interrupted, train() closed its event loop and the retriever's pooled connections.
-        assert trainer._loop is None and trainer.env.retrieval._http is None
+        assert trainer._loop is None and trainer.envs.retrieval._http is None
         return stream.drawn, args
 
     questions_per_step = 2

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
-from searchr1_trl.update import pack_rows, with_fp32_master_weights
+from searchr1_trl.update import compile_decoder_layers, pack_rows, with_fp32_master_weights
 
 
 def update_config(tmp_path, questions_file, **overrides) -> SearchR1Config:
@@ -160,3 +160,28 @@ def test_fp32_master_weights_compute_the_fp32_loss_up_to_bf16_rounding(tiny_mode
     cosine = torch.nn.functional.cosine_similarity(torch.cat([g.flatten() for g in grads16.values()]).float(),
                                                    torch.cat([g.flatten() for g in grads32.values()]), dim=0)
     assert cosine > 0.99
+
+
+def test_compile_layers_compiles_each_decoder_layer_in_place_and_gives_the_eager_loss_and_gradients(
+        tiny_model_dir, questions_file, tmp_path):
+    eager = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file))
+    compiled = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file,
+                                                                              compile_layers=True))
+    layers = compiled.model.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert all(layer._compiled_call_impl is None for layer in eager.model.model.layers)
+    assert compiled.model.state_dict().keys() == eager.model.state_dict().keys()  # what checkpoints and pushes see
+    batch = rollout_batch(eager.model.config.vocab_size)
+    for trainer in (eager, compiled):
+        trainer.current_gradient_accumulation_steps = 1
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = (loss_and_grads(eager, batch),
+                                                                  loss_and_grads(compiled, batch))
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-4, atol=1e-6)
+    assert compiled_grads.keys() == eager_grads.keys()
+    for name in eager_grads:
+        torch.testing.assert_close(compiled_grads[name], eager_grads[name], rtol=1e-3, atol=1e-6)
+
+
+def test_compile_layers_refuses_a_model_without_decoder_layers():
+    with pytest.raises(ValueError, match="Linear has no transformers decoder layers"):
+        compile_decoder_layers(torch.nn.Linear(4, 4))

@@ -17,7 +17,7 @@ from searchr1_trl.cli.train import train
 from searchr1_trl.engine.generation import end_token_ids
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutStatus
 from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig
-from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.search_r1.rubric import normalize_answer
 from searchr1_trl.trainer import SearchR1Config
 from searchr1_trl.warm_start import keep, scripted_traces
@@ -25,7 +25,7 @@ from searchr1_trl.warm_start import keep, scripted_traces
 
 def traces(tokenizer, retriever_url, questions_file, n: int, topk: int = 3, **env):
     samples = SearchR1Dataset(SearchR1DatasetConfig(data_path=questions_file, data_source=None)).take(n)
-    search = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url, topk=topk, **env))
+    search = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url, topk=topk, **env))
 
     async def run():
         try:
@@ -63,7 +63,7 @@ def test_a_trace_searches_the_question_then_answers_with_the_gold_the_passages_h
 @pytest.mark.slow
 def test_an_answer_the_passages_do_not_hold_is_not_a_trace(tokenizer, retriever_url, questions_file):
     samples, _ = traces(tokenizer, retriever_url, questions_file, 4)
-    search = SearchR1Env(SearchR1EnvConfig(search_url=retriever_url, topk=3))
+    search = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url, topk=3))
     invented = [replace(s, golden_answers=("Zyxwvut Qponmlk",)) for s in samples]
 
     async def run():

@@ -105,8 +105,8 @@ class VLLMServerGeneratorConfig:
     max_concurrency: int = field(
         default=1024,
         metadata={"help": "vLLM server generator: generation requests in flight (more wait here). vLLM's own default "
-                          "max_num_seqs on a GPU of 70 GiB or more; a lower cap (256 until issue 16) keeps vLLM's "
-                          "batches smaller than the rollouts waiting for a turn."},
+                          "max_num_seqs on a GPU of 70 GiB or more; a lower cap (the earlier 256) keeps "
+                          "vLLM's batches smaller than the rollouts waiting for a turn."},
     )
     timeout_s: float = field(default=600.0, metadata={"help": "vLLM server generator: timeout of one request, in s."})
 

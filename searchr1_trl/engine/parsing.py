@@ -20,7 +20,7 @@ to None as ``ERROR_PARSE``. A message is ``{"role": "assistant", "content": str}
    reader never fails a turn.
 
 Whatever a reader returns must be renderable by the chat template and sendable as JSON, or the turn fails (None)
-before it reaches the environment (issue 13, F1/F2): a lone UTF-16 surrogate (JSON ``"\\ud800"``: valid JSON, no
+before it reaches the environment: a lone UTF-16 surrogate (JSON ``"\\ud800"``: valid JSON, no
 Unicode; httpx and the tokenizer raise on it) anywhere in the message, or arguments nested deeper than
 :data:`MAX_ARGUMENT_DEPTH`. A reader that raises on pathological JSON (nesting too deep for the JSON parser, an
 integer over 4,300 digits) fails the turn too; one malformed turn so costs only its own rollout (``ERROR_PARSE``).

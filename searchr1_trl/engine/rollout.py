@@ -1,9 +1,11 @@
 """Generic multi-turn rollout machinery: the loop, budgets and tokens that every tool-calling task shares.
 
-A task supplies a :class:`MessageEnv` (initial messages, tools, and a ``step`` that answers the latest assistant
-message); the :class:`RolloutEngine` owns everything else. One turn: generate from token ids -> parse the assistant
-message (:mod:`searchr1_trl.engine.parsing`) -> ``env.step`` -> append the environment's messages as tokens -> next
-turn.
+A task supplies an :class:`EnvFactory`: the tools, and a new :class:`MessageEnv` for every rollout, which
+:meth:`~MessageEnv.reset` starts on that rollout's sample (its initial messages) and whose ``step`` answers the latest
+assistant message. Per-sample state (the question, anything a tool needs of it) lives on that env, never in prompt
+text; TRL 1.16's ``environment_factory`` has the same shape (one instance per rollout, ``reset(**row)``). The
+:class:`RolloutEngine` owns everything else. One turn: generate from token ids -> parse the assistant message
+(:mod:`searchr1_trl.engine.parsing`) -> ``env.step`` -> append the environment's messages as tokens -> next turn.
 
 Token-in/token-out. A rollout's sequence is ``prompt_ids`` followed by ``completion_ids``: the model's generated ids,
 exactly as returned, interleaved with the environment's messages rendered as tokens. Earlier turns are never
@@ -83,13 +85,12 @@ class EnvStep:
 
 
 class MessageEnv(abc.ABC):
-    """A task's environment in message space. The engine owns the loop, budgets and tokens."""
-
-    tools: list[dict]  # OpenAI function schemas ({"type": "function", "function": {...}})
+    """One rollout's environment in message space, built for that rollout alone. The engine owns the loop, budgets
+    and tokens."""
 
     @abc.abstractmethod
-    def initial_messages(self, sample) -> list[dict]:
-        """The conversation the first turn is generated from."""
+    def reset(self, sample) -> list[dict]:
+        """Start the rollout of ``sample``: the conversation its first turn is generated from."""
 
     @abc.abstractmethod
     async def step(self, messages: list[dict]) -> EnvStep:
@@ -98,9 +99,23 @@ class MessageEnv(abc.ABC):
         "arguments": dict | str}}]}`` ("tool_calls" absent or [] when none).
         """
 
+
+class EnvFactory(abc.ABC):
+    """A task's environments: a new :class:`MessageEnv` per rollout, the tools every one of them exposes, and what
+    they share (a pooled client, counters)."""
+
+    tools: list[dict]  # OpenAI function schemas ({"type": "function", "function": {...}})
+
+    @abc.abstractmethod
+    def __call__(self) -> MessageEnv:
+        """A fresh environment for one rollout."""
+
     def metrics(self) -> dict[str, float]:
-        """Counters since the last call, reset on read."""
+        """Counters of every environment built, since the last call; reset on read."""
         return {}
+
+    async def aclose(self) -> None:  # noqa: B027 (a task that shares nothing has nothing to close)
+        """Close what the environments share."""
 
 
 @dataclass
@@ -145,7 +160,7 @@ class RolloutConfig:
 class Rollout:
     """One finished rollout: the conversation, its tokens and how it ended."""
 
-    sample: Any  # what the dataset yielded (has .golden_answers etc.)
+    sample: Any  # what the dataset yielded (has .golden_answers etc.): the rubric scores the rollout from it
     messages: list[dict]  # initial messages + every assistant and environment message, in order
     prompt_ids: list[int]  # the rendered initial prompt
     completion_ids: list[int]  # everything after the prompt: model turns and env tokens, exactly as the model saw them
@@ -168,15 +183,16 @@ async def _gather(coroutines: list) -> list:
 
 
 class RolloutEngine:
-    """Runs a :class:`MessageEnv` against a :class:`Generator`, many rollouts at once; see the module docstring."""
+    """Runs a task's environments against a :class:`Generator`, many rollouts at once, one environment each; see
+    the module docstring."""
 
-    def __init__(self, tokenizer, generator: Generator, env: MessageEnv, config: RolloutConfig | None = None):
+    def __init__(self, tokenizer, generator: Generator, envs: EnvFactory, config: RolloutConfig | None = None):
         self.tokenizer = tokenizer
         self.generator = generator
-        self.env = env
+        self.envs = envs
         self.config = config or RolloutConfig()
         self._chat_template = _prefix_preserving_chat_template(tokenizer)
-        self._parse = response_parser(tokenizer, env.tools, bare_json_tool_calls=self.config.bare_json_tool_calls)
+        self._parse = response_parser(tokenizer, envs.tools, bare_json_tool_calls=self.config.bare_json_tool_calls)
         self._split_at = _split_tokens(tokenizer)
         self._text_cut = _tokenizes_alone(tokenizer, self._split_at)
         self._encode_prompt = functools.lru_cache(maxsize=1024)(
@@ -189,15 +205,14 @@ class RolloutEngine:
         """
         return await _gather([self.rollout(sample, params) for sample in samples])
 
-    async def run_messages(self, conversations: list[list[dict]], params: SamplingParams) -> list[Rollout]:
-        """Like :meth:`run`, from already-built initial conversations (TRL hands ``rollout_func`` only prompts)."""
-        return await _gather([self.rollout(None, params, messages=m) for m in conversations])
-
     async def rollout(self, sample, params: SamplingParams, messages: list[dict] | None = None) -> Rollout:
-        """Roll out one sample (or the given initial ``messages``) until the env is done or a budget ends it."""
+        """Roll out one sample in an environment of its own until it is done or a budget ends it; ``messages``, when
+        given, replace the environment's initial ones (a prompt built elsewhere, e.g. with passages pasted in)."""
         started = time.perf_counter()
         timings = {"generate_s": 0.0, "env_s": 0.0}
-        messages = list(self.env.initial_messages(sample) if messages is None else messages)
+        env = self.envs()
+        initial = env.reset(sample)
+        messages = list(initial if messages is None else messages)
         prompt_ids = self._initial_prompt(messages)
         completion_ids: list[int] = []
         env_mask: list[int] = []
@@ -230,7 +245,7 @@ class RolloutEngine:
 
             clock = time.perf_counter()
             try:
-                step = await asyncio.wait_for(self.env.step(messages), self.config.step_timeout_s)
+                step = await asyncio.wait_for(env.step(messages), self.config.step_timeout_s)
             except asyncio.TimeoutError:
                 status = RolloutStatus.ERROR_TIMEOUT
                 break
@@ -271,7 +286,7 @@ class RolloutEngine:
     def _render_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """:meth:`render` before tokenization (the chat template's text; its special tokens are in it already)."""
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.env.tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
+            messages, tools=self.envs.tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
             chat_template=self._chat_template, enable_thinking=self.config.enable_thinking,
         )
 

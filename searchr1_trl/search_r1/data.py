@@ -31,6 +31,15 @@ class SearchR1Sample:
     golden_answers: tuple[str, ...]
     data_source: str | None = None
 
+    def as_row(self) -> dict:
+        """The sample as the columns of a training row (what TRL's ``environment_factory`` gets as ``reset(**row)``)."""
+        return {"question": self.question, "golden_answers": list(self.golden_answers), "data_source": self.data_source}
+
+    @classmethod
+    def from_row(cls, row: dict) -> SearchR1Sample:
+        """The sample a training row was built from (:meth:`as_row`); other columns are ignored."""
+        return cls(row["question"], tuple(row["golden_answers"]), row["data_source"])
+
 
 @dataclass
 class SearchR1DatasetConfig:

@@ -9,10 +9,12 @@ turn with tool calls gets one ``tool`` message per call, all calls run concurren
 long passages (Qwen2.5-Coder-0.5B, greedy, right after one search: EM 0/24 without it, 2/24 with it, 12/24 with
 the same passages pasted into the prompt; ``benchmarks/answer_formats.py``).
 
-Retrieval is :class:`~searchr1_trl.search_r1.retrieval.RetrievalClient`'s (one pooled, batching, retrying client
-per env). A search the retriever did not answer, all retries spent, is an outage, not "no hits": when every search
-of a step failed the step says so (``EnvStep.tool_failed``) and the rollout ends as ``error_tool``, out of the loss;
-a failed search beside answered ones gets an empty result. Both are counted in :meth:`SearchR1Env.metrics`.
+Each rollout has its own :class:`SearchR1Env`, which holds its sample (the restatement reads the question from it,
+not from the prompt); :class:`SearchR1EnvFactory` builds them around what they share: one pooled, batching,
+retrying :class:`~searchr1_trl.search_r1.retrieval.RetrievalClient` and the counters. A search the retriever did
+not answer, all retries spent, is an outage, not "no hits": when every search of a step failed the step says so
+(``EnvStep.tool_failed``) and the rollout ends as ``error_tool``, out of the loss; a failed search beside answered
+ones gets an empty result. Both are counted in :meth:`SearchR1EnvFactory.metrics`.
 
 Malformed calls are answered, not raised: arguments that are not a JSON object with a non-empty string ``query``
 (whether they arrive as a dict or a JSON string) send nothing and get :data:`EMPTY_QUERY_MESSAGE`; a call of any
@@ -27,7 +29,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from searchr1_trl.engine.rollout import EnvStep, MessageEnv
+from searchr1_trl.engine.rollout import EnvFactory, EnvStep, MessageEnv
 from searchr1_trl.search_r1.retrieval import RetrievalClient, RetrievalConfig, is_text, valid_text
 
 SEARCH_TOOL_NAME = "search"
@@ -88,16 +90,33 @@ def _query_from_arguments(arguments: dict | str | None) -> str:
     return query.strip() if isinstance(query, str) and is_text(query) else ""
 
 
-def _question(messages: list[dict]) -> str:
-    """The question of a conversation: what follows the instruction in the first user message (all of that message
-    when it was not built by :meth:`SearchR1Env.initial_messages`)."""
-    content = next(m.get("content") or "" for m in messages if m["role"] == "user")
-    before, separator, question = content.partition(QUESTION_SEPARATOR)
-    return question if separator else before
-
-
 class SearchR1Env(MessageEnv):
-    """Search-R1 in message space: the question as the prompt, ``search`` as the only tool."""
+    """One Search-R1 rollout: its sample's question as the prompt, ``search`` as the only tool; built by
+    :class:`SearchR1EnvFactory`, whose retrieval client and counters every rollout shares."""
+
+    def __init__(self, factory: SearchR1EnvFactory):
+        self.factory = factory
+        self.sample = None
+
+    def reset(self, sample) -> list[dict]:
+        self.sample = sample
+        return [{"role": "user", "content": f"{INSTRUCTION}{QUESTION_SEPARATOR}{sample.question}"}]
+
+    async def step(self, messages: list[dict]) -> EnvStep:
+        calls = messages[-1].get("tool_calls") or []
+        if not calls:
+            return EnvStep(messages=[], done=True)
+        restate = self.factory.config.restate_question
+        restatement = RESTATEMENT.format(question=self.sample.question) if restate else ""
+        answers = await asyncio.gather(*(self.factory.run_tool_call(call, restatement) for call in calls))
+        searched = [failed for _, failed in answers if failed is not None]
+        outage = bool(searched) and all(searched)
+        self.factory.count("failed_steps", outage)
+        return EnvStep(messages=[message for message, _ in answers], done=False, tool_failed=outage)
+
+
+class SearchR1EnvFactory(EnvFactory):
+    """A :class:`SearchR1Env` per rollout around one pooled :class:`RetrievalClient`; counts malformed calls."""
 
     def __init__(self, config: SearchR1EnvConfig | None = None):
         self.config = config or SearchR1EnvConfig()
@@ -105,21 +124,10 @@ class SearchR1Env(MessageEnv):
         self.retrieval = RetrievalClient(self.config)
         self._counts: Counter[str] = Counter()
 
-    def initial_messages(self, sample) -> list[dict]:
-        return [{"role": "user", "content": f"{INSTRUCTION}{QUESTION_SEPARATOR}{sample.question}"}]
+    def __call__(self) -> SearchR1Env:
+        return SearchR1Env(self)
 
-    async def step(self, messages: list[dict]) -> EnvStep:
-        calls = messages[-1].get("tool_calls") or []
-        if not calls:
-            return EnvStep(messages=[], done=True)
-        restatement = RESTATEMENT.format(question=_question(messages)) if self.config.restate_question else ""
-        answers = await asyncio.gather(*(self._run_tool_call(call, restatement) for call in calls))
-        searched = [failed for _, failed in answers if failed is not None]
-        outage = bool(searched) and all(searched)
-        self._counts["failed_steps"] += outage
-        return EnvStep(messages=[message for message, _ in answers], done=False, tool_failed=outage)
-
-    async def _run_tool_call(self, call: dict, restatement: str) -> tuple[dict, bool | None]:
+    async def run_tool_call(self, call: dict, restatement: str) -> tuple[dict, bool | None]:
         """The tool message answering one call (``restatement``, if any, follows the passages of a search), and
         whether its search failed (None: nothing was searched)."""
         function = call.get("function") or {}
@@ -142,6 +150,10 @@ class SearchR1Env(MessageEnv):
         if isinstance(call.get("id"), str) and call["id"]:
             tool_message["tool_call_id"] = valid_text(call["id"])
         return tool_message, failed
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the counter ``name`` of :meth:`metrics` (what the rollouts' envs report)."""
+        self._counts[name] += n
 
     def metrics(self) -> dict[str, float]:
         counts, self._counts = self._counts, Counter()

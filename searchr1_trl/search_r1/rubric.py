@@ -25,13 +25,14 @@ or on empty content. Answers and golden answers are compared after SQuAD normali
 SQuAD script does it, so EM numbers stay comparable with published Search-R1 results.
 
 A :class:`Rubric` sums weighted reward functions and gives ``truncation_reward`` (0.0) to rollouts a budget cut
-short; a rollout that ended because the retriever did not answer (``error_tool``) gets no reward at all (None), so
-an outage neither counts as a wrong answer nor moves its group's baseline. Every reward function, and the rubric
-itself, is a TRL reward function:
-``fn(prompts, completions, *, messages, golden_answers, status=None, **kwargs) -> list[float]``, where ``messages``
-is the whole conversation of each completion and ``status`` its :class:`~searchr1_trl.engine.rollout.RolloutStatus`
-(value), both passed by the trainer's rollout function as extra fields.
-"""
+short, and none at all (None) to a rollout that ended because the retriever did not answer (``error_tool``), so an
+outage neither counts as a wrong answer nor moves its group's baseline. It scores each
+:class:`~searchr1_trl.engine.rollout.Rollout` from its own sample on every path: as a TRL reward function it takes
+``rollout`` (the trainer's rollout function hands each completion's on as an extra field), and :meth:`Rubric.score`
+takes one. Its reward functions are TRL reward functions too: ``fn(prompts, completions, *, messages,
+golden_answers, status=None, **kwargs) -> list[float]``, where ``messages`` is the whole conversation of each
+completion and ``status`` its :class:`~searchr1_trl.engine.rollout.RolloutStatus` (or its value), all read by the
+rubric from the rollouts. """
 
 from __future__ import annotations
 
@@ -112,11 +113,6 @@ def _normalized_final_answer(messages: Sequence[dict]) -> str | None:
 def _normalized_golds(golden_answers: Sequence[str]) -> set[str]:
     """Normalised golden answers, without those that normalise to nothing (``"The"`` would match every answer)."""
     return {gold for gold in map(normalize_answer, golden_answers) if gold}
-
-
-def _is_truncated(status: RolloutStatus | str | None) -> bool:
-    """Whether a budget ended the rollout; ``status`` arrives as the enum or its string value, or not at all."""
-    return status is not None and RolloutStatus(status).truncated
 
 
 @dataclass
@@ -204,14 +200,18 @@ class Rubric:
         self.truncation_reward = truncation_reward
         self.__name__ = "rubric"
 
-    def __call__(self, prompts, completions, *, messages, golden_answers, status=None, log_metric=None, **kwargs):
-        statuses = status if status is not None else [None] * len(messages)
-        truncated = [_is_truncated(s) for s in statuses]
-        outage = [s is not None and RolloutStatus(s) is RolloutStatus.ERROR_TOOL for s in statuses]
+    def __call__(self, prompts, completions, *, rollout: Sequence[Any], log_metric=None,
+                 **kwargs) -> list[float | None]:
+        """The rewards of each completion's ``rollout``, from its conversation, status and own sample's golden
+        answers; TRL's copies of those (row columns, extra fields) are not read."""
+        own = {"messages": [r.messages for r in rollout], "status": [r.status for r in rollout],
+               "golden_answers": [r.sample.golden_answers for r in rollout]}
+        kwargs = {key: value for key, value in kwargs.items() if key not in own}
+        truncated = [RolloutStatus(s).truncated for s in own["status"]]
+        outage = [RolloutStatus(s) is RolloutStatus.ERROR_TOOL for s in own["status"]]
         totals = [self.truncation_reward if t else 0.0 for t in truncated]
         for fn in self.reward_fns:
-            scores = fn(prompts, completions, messages=messages, golden_answers=golden_answers, status=status,
-                        log_metric=log_metric, **kwargs)
+            scores = fn(prompts, completions, **own, rollout=rollout, log_metric=log_metric, **kwargs)
             weight = getattr(fn, "weight", 1.0)
             totals = [total if t else total + weight * s for total, t, s in zip(totals, truncated, scores, strict=True)]
             if log_metric is not None:
@@ -225,7 +225,4 @@ class Rubric:
     def score(self, rollout: Any) -> float | None:
         """The reward of one :class:`~searchr1_trl.engine.rollout.Rollout` (its sample carries ``golden_answers``);
         None for one the retriever did not answer."""
-        return self(
-            [None], [None], messages=[rollout.messages], golden_answers=[rollout.sample.golden_answers],
-            status=[rollout.status],
-        )[0]
+        return self([None], [None], rollout=[rollout])[0]

@@ -1,0 +1,279 @@
+"""Asynchronous rollouts: the generator samples the next steps' questions while the trainer updates.
+
+Off by default (``async_rollouts``). What this module decides:
+
+- **One step off-policy, bounded.** When the trainer takes step ``i``'s rollouts it launches those of steps
+  ``i+1 .. i+max_staleness`` on the rollout loop (a background thread) and returns at once, so generation overlaps the
+  reference forward, the update and the optimizer step. Each rollout is tagged with the **policy version** it was
+  sampled with: the optimizer step whose weights the generator served when it was launched.
+- **A weight push waits for the rollouts in flight** (:meth:`RolloutPipeline.drain`): they finish on the old weights
+  and keep the old tag. The simplest correct choice: a vLLM server serves one set of weights, and a rollout whose
+  later turns came from newer weights would carry two versions. The cost is that the push itself does not overlap.
+- **The staleness bound**: a rollout is trained on only if ``step - version <= max_staleness``; an older one is
+  dropped, counted (``async/stale_dropped``, the fraction of a step's rollouts) and its prompt rolled out again on the
+  current weights, so the step keeps its questions and GRPO groups. With rollouts launched ``max_staleness`` steps
+  ahead none is older in normal running; the bound is what makes that a guarantee.
+- **The importance-sampling correction.** The loss is the decoupled PPO objective: the clipped ratio is taken against
+  the current weights (the proximal policy, whose log-probs TRL computes before the update), and every token is
+  weighted by ``pi_current / pi_behaviour`` from the generator's own log-probs (the ``logprobs`` our ``rollout_func``
+  returns), bounded as TRL's ``vllm_importance_sampling_mode`` / ``_clip_min`` / ``_clip_max`` say (TRL 1.16 default:
+  ``sequence_mask`` with C_max 3). TRL 1.16 computes exactly this weight in ``_generate_and_score_completions``, but
+  only when ``use_vllm`` is set, which here means ``weight_sync="nccl"`` (its NCCL client): there TRL's is used as it
+  is. With ``weight_sync="reload"`` or the in-process generator TRL skips it, so :func:`importance_weights`
+  computes the same weight with the same knobs and :func:`fold_into_advantages` multiplies it into the advantages: for
+  every loss TRL builds as ``-min(r A, clip(r) A)`` or a multiple of ``A`` (grpo, bnpo, dr_grpo, dapo, luspo, cispo,
+  sapo) a weight ``w >= 0`` on ``A`` is the same as on the per-token loss, which is where TRL puts it (vespo is not
+  linear in ``A`` and is refused).
+- **Validation stays synchronous**: it waits for the rollouts in flight and launches none.
+- **Resume is exact for the question stream**: questions are drawn ahead (:class:`Lookahead`) but a checkpoint saves
+  the stream's state from before the oldest draw no step has trained on, so rollouts in flight at a checkpoint are
+  dropped with the run and their questions served again after the resume.
+- **The in-process generator** samples from a copy of the policy (:class:`SnapshotPush`) that each push refreshes:
+  generating from the weights the optimizer is writing would mix versions. It costs one more copy of the weights and
+  is refused under DeepSpeed, whose partitioned weights the copy would not hold.
+
+What of TRL 1.16 this relies on: the keys ``sampling_per_token_logps``, ``old_per_token_logps`` and
+``importance_sampling_ratio`` of ``_generate_and_score_completions``' output, and ``_compute_loss`` reading (B, T)
+advantages as they are; ``tests/test_async_rollouts.py`` checks the folded weight against TRL's own weighting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+LINEAR_IN_ADVANTAGE_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+
+
+@dataclass
+class AsyncRolloutsConfig:
+    """Whether rollouts overlap the update, and how stale a rollout may be."""
+
+    enabled: bool = field(
+        default=False,
+        metadata={"help": "Generate the next max_staleness steps' rollouts while the trainer updates; each is weighted "
+                          "by pi_current / pi_behaviour (TRL's vllm_importance_sampling_* knobs). Off: lock-step."},
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={"help": "With async_rollouts: how many optimizer steps older than the weights it trains a rollout "
+                          "may be; rollouts are launched that far ahead, an older one is rolled out again."},
+    )
+
+    def __post_init__(self):
+        if self.max_staleness < 1:
+            raise ValueError(f"max_staleness={self.max_staleness}; expected >= 1 (0 is lock-step: set "
+                             "async_rollouts false)")
+
+
+def check_recipe(args, deepspeed: bool) -> None:
+    """ValueError for a recipe the asynchronous mode cannot run as the module docstring says."""
+    AsyncRolloutsConfig(args.async_rollouts, args.max_staleness)  # checks max_staleness
+    if args.loss_type not in LINEAR_IN_ADVANTAGE_LOSSES:
+        raise ValueError(f"async_rollouts with loss_type={args.loss_type!r}: the staleness correction weights the "
+                         "advantages, which equals weighting the loss only for "
+                         f"{', '.join(LINEAR_IN_ADVANTAGE_LOSSES)}")
+    if args.generator == "transformers" and deepspeed:
+        raise ValueError("async_rollouts with generator='transformers' under DeepSpeed: the in-process generator "
+                         "samples from a copy of the policy, which partitioned weights cannot give; use "
+                         "generator='vllm'")
+    if args.steps_per_generation != args.gradient_accumulation_steps or args.num_iterations != 1:
+        raise ValueError(f"async_rollouts needs one generation per optimizer step (steps_per_generation == "
+                         f"gradient_accumulation_steps and num_iterations == 1), got steps_per_generation="
+                         f"{args.steps_per_generation}, gradient_accumulation_steps="
+                         f"{args.gradient_accumulation_steps}, num_iterations={args.num_iterations}")
+
+
+class Lookahead:
+    """The question stream's draws, some made before the step that trains on them.
+
+    ``draw()`` makes the next draw (one optimizer step's rows); ``state()`` is the stream's state. Calling the
+    lookahead gives the next draw in order, made earlier by :meth:`peek` or now; :meth:`state_dict` is the state from
+    before the oldest draw not yet taken, which a checkpoint saves so that a resumed run draws those questions again.
+    """
+
+    def __init__(self, draw: Callable[[], list], state: Callable[[], dict]):
+        self._draw, self._state = draw, state
+        self._ahead: deque[tuple[dict, list]] = deque()  # (stream state before the draw, the draw)
+
+    def __call__(self) -> list:
+        return self._ahead.popleft()[1] if self._ahead else self._draw()
+
+    def peek(self, index: int) -> list:
+        """The draw ``index`` places after the next one to be taken (0: the next one)."""
+        while len(self._ahead) <= index:
+            self._ahead.append((self._state(), self._draw()))
+        return self._ahead[index][1]
+
+    def state_dict(self) -> dict:
+        return self._ahead[0][0] if self._ahead else self._state()
+
+
+@dataclass
+class _Launched:
+    prompts: list
+    version: int
+    future: concurrent.futures.Future
+
+
+class RolloutPipeline:
+    """Rollouts launched ahead of the step that trains on them; see the module docstring.
+
+    ``start(prompts)`` launches the rollouts of ``prompts`` on the rollout loop and returns their future;
+    ``lookahead`` is where the prompts of later steps come from (``prompts_of`` turns a draw into them). ``ahead``
+    steps are launched ahead (the trainer: ``max_staleness``); ``metrics`` is the trainer's ``train`` metric lists.
+    """
+
+    def __init__(self, start: Callable[[list], concurrent.futures.Future], lookahead: Lookahead,
+                 prompts_of: Callable[[list], list], max_staleness: int, metrics: dict[str, list[float]],
+                 ahead: int | None = None):
+        self.start, self.lookahead, self.prompts_of = start, lookahead, prompts_of
+        self.max_staleness, self.ahead = max_staleness, max_staleness if ahead is None else ahead
+        self.metrics = metrics
+        self.version = 0  # the optimizer step whose weights the generator serves: step 0's until the first push
+        self._launched: dict[int, _Launched] = {}  # by the step that will train on them
+        self.versions: list[int] = []  # of the rollouts the last take() returned
+
+    def pushed(self, version: int) -> None:
+        """The generator serves the weights of optimizer step ``version`` from now on."""
+        self.version = version
+
+    def drain(self) -> None:
+        """Wait until no rollout is in flight: before a push, so they finish on the weights they started with, and
+        before a validation, which runs alone."""
+        start = time.perf_counter()
+        concurrent.futures.wait([launched.future for launched in self._launched.values()])
+        self.metrics["async/drain_s"].append(time.perf_counter() - start)
+
+    def take(self, step: int, prompts: list, last_step: int) -> list:
+        """The rollouts of ``prompts``, step ``step``'s, every one within ``max_staleness`` of ``step``; launches the
+        next ``ahead`` steps' (below ``last_step``) first, so they generate while the caller trains on these."""
+        start = time.perf_counter()
+        launched = self._launched.pop(step, None)
+        if launched is not None and launched.prompts != prompts:
+            raise RuntimeError(f"step {step} trains on other questions than were rolled out for it ahead: the question "
+                               "stream was drawn outside the pipeline's lookahead")
+        self._launch_ahead(step, last_step)
+        if launched is None:  # the first step, or the first after a resume: nothing was launched ahead
+            launched = _Launched(prompts, self.version, self.start(prompts))
+        rollouts = launched.future.result()
+        versions = [launched.version] * len(rollouts)
+        stale = [i for i, version in enumerate(versions) if step - version > self.max_staleness]
+        if stale:
+            again = self.start([prompts[i] for i in stale]).result()
+            for i, rollout in zip(stale, again, strict=True):
+                rollouts[i], versions[i] = rollout, self.version
+        self.versions = versions
+        self.metrics["async/stale_dropped"].append(len(stale) / len(rollouts))
+        self.metrics["async/staleness"].append(sum(step - v for v in versions) / len(versions))
+        self.metrics["async/wait_s"].append(time.perf_counter() - start)
+        return rollouts
+
+    def _launch_ahead(self, step: int, last_step: int) -> None:
+        for offset in range(self.ahead):
+            target = step + 1 + offset
+            if target >= last_step:
+                break
+            if target not in self._launched:
+                prompts = self.prompts_of(self.lookahead.peek(offset))
+                self._launched[target] = _Launched(prompts, self.version, self.start(prompts))
+
+    def cancel(self) -> None:
+        """Drop every rollout in flight (training ended or failed); their questions are the lookahead's still."""
+        for launched in self._launched.values():
+            launched.future.cancel()
+        self._launched.clear()
+
+
+class SnapshotPush:
+    """The in-process generator's weights under ``async_rollouts``: a frozen copy of the policy, refreshed by
+    ``push``, so generation in the background never reads weights the optimizer is writing."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def push(self, model: torch.nn.Module) -> None:
+        self.model.load_state_dict(model.state_dict())
+
+
+def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor], args,
+                        metrics: dict[str, list[float]]) -> dict:
+    """``output`` of ``GRPOTrainer._generate_and_score_completions`` with its advantages weighted per token by
+    :func:`importance_weights` (TRL's knobs), where TRL has not weighted the loss itself (see the module docstring).
+    ``proximal_logps()`` computes the current weights' log-probs when TRL did not (one forward without gradients,
+    as TRL's vLLM path does)."""
+    if not args.vllm_importance_sampling_correction or "importance_sampling_ratio" in output:
+        return output
+    proximal = output.get("old_per_token_logps")
+    proximal = proximal_logps() if proximal is None else proximal
+    mask = output["completion_mask"] * output.get("tool_mask", 1)
+    weights = importance_weights(proximal, output["sampling_per_token_logps"], mask,
+                                 args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
+                                 args.vllm_importance_sampling_clip_max)
+    per_token = weights.expand_as(mask)[mask.bool()]
+    metrics["async/importance_weight_mean"].append(per_token.mean().item() if per_token.numel() else 1.0)
+    metrics["async/importance_weight_zeroed"].append((per_token == 0).float().mean().item()
+                                                     if per_token.numel() else 0.0)
+    output["advantages"] = fold_into_advantages(output["advantages"], weights, mask.size(1))
+    return output
+
+
+def importance_weights(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, mode: str,
+                       clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """``pi_proximal / pi_behaviour`` per token (``token_*`` modes, shape (B, T)) or per sequence (``sequence_*``,
+    (B, 1)), clipped to [clip_min, clip_max] (``*_truncate``) or zeroed outside it (``*_mask``): TRL 1.16's
+    ``vllm_importance_sampling_*`` weight (``GRPOTrainer._generate_and_score_completions``), for the paths where TRL
+    does not compute it. Tokens outside ``mask`` and NaN behaviour log-probs count as ratio 1.
+
+    >>> importance_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-1.0, 0.0]]), torch.ones(1, 2), "token_truncate",
+    ...                    None, 2.0)
+    tensor([[2., 1.]])
+    """
+    diff = torch.nan_to_num((proximal - behaviour) * mask, nan=0.0)
+    if mode.startswith("sequence_"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if mode.endswith("_mask"):
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    raise ValueError(f"vllm_importance_sampling_mode={mode!r}; expected token_truncate, token_mask, "
+                     "sequence_truncate or sequence_mask")
+
+
+def fold_into_advantages(advantages: torch.Tensor, weights: torch.Tensor, length: int) -> torch.Tensor:
+    """Per-token advantages ``A * w`` of shape (B, ``length``), from ``advantages`` (B,) and ``weights`` (B, T) or
+    (B, 1); TRL's loss reads (B, T) advantages as they are."""
+    return (advantages[:, None] * weights).expand(-1, length).contiguous()
+
+
+def start_in_thread(loop: asyncio.AbstractEventLoop) -> threading.Thread:
+    """Run ``loop`` forever in a daemon thread, so rollouts launched on it go on while the caller trains."""
+    thread = threading.Thread(target=loop.run_forever, name="rollout-loop", daemon=True)
+    thread.start()
+    return thread
+
+
+def stop_thread(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Stop the loop :func:`start_in_thread` runs and wait for its thread (the loop can then be closed)."""
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+
+
+def run_on(loop: asyncio.AbstractEventLoop, coroutine):
+    """Run ``coroutine`` on ``loop`` to its result: on the loop's thread when it runs in one, else here."""
+    if loop.is_running():
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+    return loop.run_until_complete(coroutine)

@@ -1,0 +1,216 @@
+"""Asynchronous rollouts (searchr1_trl/async_rollouts.py): rollouts carry the policy version they were sampled with,
+none older than max_staleness is trained on, stale ones are weighted by pi_current / pi_behaviour as TRL weights
+vLLM's, and a resumed run trains on the questions an uninterrupted one does."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import StopAfter, small_config
+from test_update import loss_and_grads, rollout_batch, update_config
+
+from searchr1_trl.async_rollouts import (
+    Lookahead,
+    RolloutPipeline,
+    fold_into_advantages,
+    importance_weights,
+)
+from searchr1_trl.recipe import build_task
+from searchr1_trl.trainer import STREAM_STATE_FILE, SearchR1Trainer
+
+
+class Counter:
+    """A question stream of consecutive integers, with a state a checkpoint can hold."""
+
+    def __init__(self, cursor: int = 0):
+        self.cursor = cursor
+
+    def draw(self) -> list[int]:
+        self.cursor += 1
+        return [self.cursor - 1]
+
+    def state(self) -> dict:
+        return {"cursor": self.cursor}
+
+
+class Generator:
+    """Rolls a prompt out as ``(prompt, version the pipeline served at the launch)``, at once, or for the launches
+    numbered in ``held`` once ``release`` is set."""
+
+    def __init__(self, release: threading.Event | None = None, held: frozenset[int] = frozenset()):
+        self.pipeline: RolloutPipeline | None = None
+        self.release, self.held, self.launches = release, held, 0
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
+
+    def start(self, prompts):
+        version, wait = self.pipeline.version, self.launches in self.held
+        self.launches += 1
+
+        def run():
+            if wait:
+                self.release.wait()
+            return [(p, version) for p in prompts]
+        return self.pool.submit(run)
+
+
+def pipeline_over(stream: Counter, max_staleness: int, ahead: int | None = None, release=None,
+                  held: frozenset[int] = frozenset()):
+    generator = Generator(release, held)
+    lookahead = Lookahead(stream.draw, stream.state)
+    metrics = defaultdict(list)
+    pipeline = RolloutPipeline(generator.start, lookahead, lambda rows: rows, max_staleness, metrics, ahead=ahead)
+    generator.pipeline = pipeline
+    return pipeline, lookahead, metrics
+
+
+def train(pipeline, lookahead, steps: range, last_step: int) -> list[list]:
+    """What a trainer does with the pipeline per optimizer step: draw, push, take; the rollouts it trained on."""
+    trained = []
+    for step in steps:
+        prompts = lookahead()  # the dataloader's draw of this step
+        pipeline.drain()
+        pipeline.pushed(step)
+        trained.append(pipeline.take(step, prompts, last_step))
+    return trained
+
+
+def test_rollouts_are_launched_max_staleness_steps_ahead_and_tagged_with_the_version_they_were_sampled_with():
+    pipeline, lookahead, metrics = pipeline_over(Counter(), max_staleness=1)
+    trained = train(pipeline, lookahead, range(4), last_step=4)
+    # step 0's rollouts are made at once from step 0's weights; every later step trains on the previous step's
+    assert trained == [[(0, 0)], [(1, 0)], [(2, 1)], [(3, 2)]]
+    assert metrics["async/staleness"] == [0, 1, 1, 1]
+    assert metrics["async/stale_dropped"] == [0, 0, 0, 0]
+    assert lookahead.state_dict() == {"cursor": 4}  # nothing was launched for the step after the last
+
+
+def test_a_rollout_older_than_max_staleness_is_never_trained_on_but_rolled_out_again_and_counted():
+    # launched two steps ahead but allowed one step of staleness: from step 2 on every launched rollout is too old
+    pipeline, lookahead, metrics = pipeline_over(Counter(), max_staleness=1, ahead=2)
+    trained = train(pipeline, lookahead, range(5), last_step=5)
+    assert trained == [[(0, 0)], [(1, 0)], [(2, 2)], [(3, 3)], [(4, 4)]]
+    assert all(step - version <= 1 for step, rollouts in enumerate(trained) for _, version in rollouts)
+    assert metrics["async/stale_dropped"] == [0, 0, 1, 1, 1]
+    assert pipeline.versions == [4]
+
+
+def test_a_push_waits_for_the_rollouts_in_flight():
+    release = threading.Event()
+    # launch 0: step 1's, launched ahead by step 0's take (before step 0's own, launch 1), held until released
+    pipeline, lookahead, _ = pipeline_over(Counter(), max_staleness=1, release=release, held=frozenset({0}))
+    pipeline.pushed(0)
+    pipeline.take(0, lookahead(), last_step=3)
+    draining = threading.Thread(target=pipeline.drain)
+    draining.start()
+    draining.join(timeout=0.5)
+    assert draining.is_alive()  # step 1's rollouts are still generating on step 0's weights
+    release.set()
+    draining.join()
+    assert not draining.is_alive()
+
+
+def test_a_checkpoint_saves_the_stream_from_before_the_questions_drawn_ahead():
+    stream = Counter()
+    pipeline, lookahead, _ = pipeline_over(stream, max_staleness=2)
+    train(pipeline, lookahead, range(2), last_step=10)  # steps 0, 1 trained; 2 and 3 in flight
+    assert stream.cursor == 4 and lookahead.state_dict() == {"cursor": 2}
+    pipeline.cancel()
+    resumed = Counter(**lookahead.state_dict())
+    pipeline, lookahead, _ = pipeline_over(resumed, max_staleness=2)
+    assert train(pipeline, lookahead, range(2, 4), last_step=10) == [[(2, 2)], [(3, 2)]]
+
+
+def test_importance_weights_are_trls_modes_of_the_current_over_the_behaviour_probability():
+    current = torch.tensor([[0.0, -1.0, -2.0], [0.0, 0.0, 0.0]])
+    behaviour = torch.tensor([[-2.0, -1.0, float("nan")], [-0.5, 0.0, -9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # the last token of row 2 is a tool token: it counts as ratio 1
+    e = torch.e
+    torch.testing.assert_close(importance_weights(current, behaviour, mask, "token_truncate", None, 3.0),
+                               torch.tensor([[3.0, 1.0, 1.0], [e**0.5, 1.0, 1.0]]))
+    torch.testing.assert_close(importance_weights(current, behaviour, mask, "token_mask", 0.5, 3.0),
+                               torch.tensor([[0.0, 1.0, 1.0], [e**0.5, 1.0, 1.0]]))
+    torch.testing.assert_close(importance_weights(current, behaviour, mask, "sequence_truncate", None, 3.0),
+                               torch.tensor([[3.0], [e**0.5]]))
+    torch.testing.assert_close(importance_weights(current, behaviour, mask, "sequence_mask", None, 3.0),
+                               torch.tensor([[0.0], [e**0.5]]))
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode='tokens'; expected token_truncate"):
+        importance_weights(current, behaviour, mask, "tokens", None, 3.0)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
+def test_weights_folded_into_the_advantages_give_trls_importance_weighted_loss_and_gradients(
+        tiny_model_dir, questions_file, tmp_path, loss_type):
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file,
+                                                                             loss_type=loss_type))
+    trainer.current_gradient_accumulation_steps = 1
+    batch = rollout_batch(trainer.model.config.vocab_size)
+    weights = torch.rand(4, 12, generator=torch.Generator().manual_seed(1)) * 2
+    folded_loss, folded_grads = loss_and_grads(trainer, {**batch, "advantages": fold_into_advantages(
+        batch["advantages"], weights, 12)})
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True  # TRL's own weighting, as with NCCL
+    trls_loss, trls_grads = loss_and_grads(trainer, {**batch, "importance_sampling_ratio": weights})
+    torch.testing.assert_close(folded_loss, trls_loss)
+    for name in trls_grads:
+        torch.testing.assert_close(folded_grads[name], trls_grads[name])
+
+
+def test_recipes_the_async_mode_cannot_run_are_refused(tiny_model_dir, questions_file, tmp_path):
+    with pytest.raises(ValueError, match="max_staleness=0; expected >= 1"):
+        SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, async_rollouts=True,
+                                                                       max_staleness=0))
+    with pytest.raises(ValueError, match="loss_type='vespo'"):
+        SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, async_rollouts=True,
+                                                                       loss_type="vespo"))
+
+
+class TrainedQuestions:
+    """A reward function of 0 that records the questions of every batch it scores."""
+
+    __name__ = "trained_questions"
+
+    def __init__(self):
+        self.batches: list[list[str]] = []
+
+    def __call__(self, prompts, completions, *, question, **kwargs) -> list[float]:
+        self.batches.append(list(question))
+        return [0.0] * len(prompts)
+
+
+def async_run(tiny_model_dir, questions_file, folder: Path, resume=None, callbacks=()):
+    """Three async optimizer steps of the in-process generator, no search (one turn of 8 tokens)."""
+    args = small_config(folder, questions_file, "http://127.0.0.1:9/retrieve", max_steps=3, save_strategy="steps",
+                        save_steps=2, generator="transformers", max_tokens_per_turn=8, max_turns=1,
+                        async_rollouts=True, max_staleness=1, learning_rate=1e-3)
+    task = build_task(args)
+    recorder = TrainedQuestions()
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, task=task,
+                              reward_funcs=[task.rubric, recorder], callbacks=list(callbacks))
+    with contextlib.suppress(KeyboardInterrupt):
+        trainer.train(resume_from_checkpoint=resume)
+    assert trainer._loop is None  # the rollout thread stopped and its loop closed, also when interrupted
+    return trainer, recorder.batches, args
+
+
+@pytest.mark.slow  # three short trainings on CPU: about 2 minutes
+def test_an_async_run_trains_on_the_previous_steps_rollouts_and_resumes_on_the_same_questions(
+        tiny_model_dir, questions_file, tmp_path):
+    trainer, uninterrupted, _ = async_run(tiny_model_dir, questions_file, tmp_path / "full")
+    logged = [entry for entry in trainer.state.log_history if "async/staleness" in entry]
+    assert [entry["async/staleness"] for entry in logged] == [0, 1, 1]
+    assert [entry["async/stale_dropped"] for entry in logged] == [0, 0, 0]
+    assert all("async/importance_weight_mean" in entry for entry in logged)
+    assert len(uninterrupted) == 3 and len({q for batch in uninterrupted for q in batch}) == 6
+
+    _, killed, args = async_run(tiny_model_dir, questions_file, tmp_path / "killed", callbacks=[StopAfter(2)])
+    checkpoint = Path(args.output_dir) / "checkpoint-2"
+    # step 2's questions were drawn and rolled out when the checkpoint was written: they are served again
+    assert json.loads((checkpoint / STREAM_STATE_FILE).read_text())["cursor"] == 4
+    _, resumed, _ = async_run(tiny_model_dir, questions_file, tmp_path / "killed", resume=str(checkpoint))
+    assert killed + resumed == uninterrupted
