@@ -11,7 +11,7 @@ from searchr1_trl import evaluation
 from searchr1_trl.engine.generation import Generation, Generator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine, RolloutStatus
 from searchr1_trl.search_r1.data import SearchR1Sample
-from searchr1_trl.search_r1.env import RESTATEMENT, SearchR1Env, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import RESTATEMENT, SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.search_r1.rubric import Rubric
 
 QUESTION = SearchR1Sample("Which NFL team represented the AFC at Super Bowl 50?", ("Denver Broncos",), "squad")
@@ -125,7 +125,7 @@ def test_a_search_the_retriever_does_not_answer_makes_a_failed_trace_not_a_wrong
 def test_a_rollout_whose_searches_all_failed_ends_error_tool_counted_and_without_reward(tokenizer):
     from conftest import free_port
 
-    env = SearchR1Env(SearchR1EnvConfig(search_url=f"http://127.0.0.1:{free_port()}/retrieve", max_retries=0))
+    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=f"http://127.0.0.1:{free_port()}/retrieve", max_retries=0))
     engine = RolloutEngine(tokenizer, ScriptedGenerator(tokenizer), env, RolloutConfig(max_turns=3))
 
     async def main():

@@ -230,11 +230,11 @@ def test_rollouts_through_an_outage_longer_than_the_retry_budget_end_error_tool_
 
     from searchr1_trl.engine.generation import SamplingParams
     from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
-    from searchr1_trl.search_r1.env import SearchR1Env, SearchR1EnvConfig
+    from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
     from searchr1_trl.search_r1.rubric import Rubric
 
     refused = f"http://127.0.0.1:{free_port()}/retrieve"  # nothing listens: every attempt is refused
-    env = SearchR1Env(SearchR1EnvConfig(search_url=refused, max_retries=3, retry_backoff_s=0.01))
+    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=refused, max_retries=3, retry_backoff_s=0.01))
     engine = RolloutEngine(tokenizer, ScriptedGenerator(tokenizer), env, RolloutConfig(max_turns=3))
 
     async def main():

@@ -157,8 +157,8 @@ def test_a_rollout_the_retriever_did_not_answer_gets_no_reward_so_trl_gives_it_n
     rubric = Rubric([RewardExactMatch(LEVERS)], truncation_reward=-0.5)
     metrics = {}
 
-    rewards = rubric([None] * 2, [None] * 2, messages=[SEARCHED_THEN_PARIS] * 2, golden_answers=[["Paris"]] * 2,
-                     status=["error_tool", "done"], log_metric=metrics.__setitem__)
+    rewards = rubric([None] * 2, [None] * 2, log_metric=metrics.__setitem__,
+                     rollout=[rollout(SEARCHED_THEN_PARIS, "error_tool"), rollout(SEARCHED_THEN_PARIS)])
 
     assert rewards == [None, 1.0] and metrics["rubric/unscored_tool_failures"] == 0.5
 
