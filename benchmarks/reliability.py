@@ -35,10 +35,12 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
     malformed = f["malformed_turns"]
     lost = max(m["other_rollouts_lost"] for m in malformed.values())
     load = f["server_load"]
-    poison, heavy, clean = load["poison"], load["heavy"], load["clean"]
+    poison, heavy, clean, nine = load["poison"], load["heavy"], load["clean"], load["nine heavy"]
     success = (poison["good_requests"] - poison["good_failed"]) / poison["good_requests"]
     ratio = heavy["good_requests"] / clean["good_requests"]
+    nine_ratio, nine_share = nine["p99_ms"] / clean["p99_ms"], nine["good_per_s"] / clean["good_per_s"]
     outage = f["client_outage"]
+    blackout = f["outage_rollouts"]
     resumes = f["kill_and_resume"]
     escapes = f["parse_fuzz"]["escapes"] + f["rollout_fuzz"]["escapes"]
     return [
@@ -65,10 +67,23 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
          f"failed (p99 {heavy['p99_ms']:.0f} ms vs clean {clean['p99_ms']:.0f} ms)",
          ratio >= 0.5 and heavy["good_failed"] == 0,
          "test_reliability_server: test_64_good_clients_are_all_answered_beside_poison_and_a_heavy_request"),
+        ("good clients beside nine maximal requests (1,024 x ~940 characters, topk 4) resent at once",
+         "p99 <= 2x clean, throughput >= 70% of clean",
+         f"p99 {nine['p99_ms']:.0f} ms = {nine_ratio:.2f}x, {nine['good_per_s']:.0f} requests/s = {nine_share:.0%} "
+         f"of clean; {nine['good_failed']} of {nine['good_requests']:,} failed; the heavy clients got "
+         f"{nine['extra_429']} 429s", nine_ratio <= 2 and nine_share >= 0.7 and nine["good_failed"] == 0,
+         "test_reliability_server: test_beside_nine_maximal_requests_every_good_request_is_answered_and_all_but_"
+         "one_heavy_client_gets_429"),
         ("retriever outage survived (SIGKILL mid-batch, restart)", "every search answered",
          f"{outage['searches'] - outage['empty']} of {outage['searches']} searches answered across a "
          f"{outage['outage_s']:.1f} s outage ({outage['requests']} requests)", outage["empty"] == 0,
          "test_reliability_client: test_searches_survive_a_retriever_killed_mid_batch_and_restarted"),
+        ("rollouts through an outage longer than the retry budget (every attempt refused)",
+         "none ends done or is rewarded",
+         f"{blackout['error_tool']} of {blackout['rollouts']} ended error_tool, {blackout['done']} done, "
+         f"{blackout['rewarded']} rewarded", blackout["done"] == blackout["rewarded"] == 0,
+         "test_reliability_client: test_rollouts_through_an_outage_longer_than_the_retry_budget_end_error_tool_"
+         "unrewarded"),
         ("resumes exact after kill -9", "exact",
          "; ".join(f"killed {mode} a checkpoint: resumed from step {r['resumed_from_step']}, questions "
                    f"{'exact' if r['questions_exact'] else 'DIFFERENT'}" for mode, r in sorted(resumes.items())),
@@ -81,7 +96,7 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
 
 
 FINDINGS = """\
-| finding | fix | test (fails on main d952a21, passes now) |
+| finding | fix | test (fails before its fix, passes now) |
 | --- | --- | --- |
 | lone surrogate escape loses the batch | parser fails the turn (ERROR_PARSE) on any lone surrogate; the client encodes queries itself; passages and tool names made valid text | `test_a_malformed_turn_ends_only_its_own_rollout...[surrogate *]`, `test_a_query_that_is_no_valid_text_costs_no_other_search` |
 | deep nesting / huge ints escape parsers | every JSON reader treats RecursionError/ValueError as unreadable; arguments deeper than 32 fail the turn; env reads them as an empty query | `test_a_malformed_turn_ends_only_its_own_rollout...[990 nested *, 5,000-digit *]`, the 10,000-completion property test |
@@ -94,6 +109,11 @@ FINDINGS = """\
 | client gaps | wall-time bound per attempt (drip cut off), `deadline_s` per search, 8 retries / 39.5 s of backoff, response size cap, passages capped | `test_one_faulty_answer_is_retried_within_the_time_budget[*]`, `test_a_dripping_server_is_cut_off...`, `test_a_search_never_outlasts_its_deadline`, `test_an_oversized_answer_is_refused...` |
 | exposure | no /docs, /redoc, /openapi.json; /health without paths | `test_no_api_docs_are_served_and_health_shows_no_paths` |
 | orphans and silent OOM | vLLM under a reaper (process group + PR_SET_PDEATHSIG), retriever with PDEATHSIG; a signal death says its likely cause and peak memory | `test_servers_die_with_a_parent_killed_by_sigkill`, `test_a_child_killed_by_sigkill_is_reported_with_its_likely_cause_and_peak_memory` |
+| a corpus or encoder other than the index's is served (Zelda passages for Super Bowl 50; every query a 422 while `/health` is ok) | the sidecar records passage count, a sha256 of the contents, the encoder's width and its embedding of a probe passage; the server refuses in one line, and answers a probe query before it binds its port | `tests/test_retriever_index.py`: `test_the_server_refuses_*`, `test_a_server_that_cannot_answer_a_probe_query_does_not_start` |
+| nine maximal requests starve everyone (good p99 6.0 -> 16.5 s, 33.6 -> 10.9 requests/s; here 503s) | requests larger than one batch admitted by cost (`max_bulk_chars`, one maximal request) with a 429 held back for its `Retry-After`, a body too big for the room refused unread; bulk slices a quarter batch, one at a time between small batches, at most `max_bulk_share` (20%) of the search time | `test_beside_nine_maximal_requests_every_good_request_is_answered...`, `test_bulk_work_gets_its_share_of_the_search_time...`, `test_a_request_larger_than_one_batch_is_refused_while_others_hold...` |
+| an evaluation turns a retriever outage into results and keeps them (21 of 30 traces finished with no passages, exit 0; a closed port: EM 0.000) | `searchr1-eval` checks the retriever (health and a probe query) and every generator before the first question; a trace with a failed search is `error_search`, out of the EM, counted in the table, generated again by a rerun, and the run exits non-zero while any remain | `tests/test_eval_cli.py`: `test_eval_stops_in_one_line_*`, `test_traces_whose_search_failed_are_counted_not_scored_and_a_rerun_generates_them` |
+| an outage longer than the retry budget ends rollouts `done` (trained on as if nothing was found); a server that answers 422 to every query is not retried | a 422 "cannot be searched" is an outage, retried; a step whose every search failed ends its rollout `error_tool`, rewarded None (no advantage, out of the group baseline); training stops in one line above `max_failed_search_fraction` of a step's searches | `test_a_server_that_cannot_search_is_an_outage_retried...`, `test_a_rollout_whose_searches_all_failed_ends_error_tool...`, `test_training_stops_in_one_line_when_more_than...` |
+| bad recipe values and data files give tracebacks; `golden_answers: [""]` accepted | one YAML reader checks syntax, mapping and each value's type; each part's checks run at load; the plan reads local data files row by row; blank answers refused | `tests/test_recipe.py`: `test_a_bad_recipe_value_or_yaml_*`, `test_a_recipe_that_is_no_mapping_*`, `test_a_bad_data_file_*` |
 """
 
 

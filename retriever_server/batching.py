@@ -7,16 +7,20 @@ waited ``max_wait_ms``, runs the batch in a background thread (``search_threads`
 hands each request its own slice of the results. Under load the queue refills while a batch runs, so later batches
 form without waiting at all.
 
-Three rules keep one request from costing the others:
+Four rules keep one request from costing the others:
 
-- **A big request is served in slices, after newcomers.** Requests that have had nothing yet fill a batch; a
-  partly served request continues in a batch of its own when no newcomer waits (under load such gaps open after
-  every batch, while its clients read their answers). A request of 1,024 long queries so runs as many small
-  batches, with the short requests arriving meanwhile ahead of them, instead of one batch of minutes that they all
+- **A big request is served in slices, with its share of the time.** Requests that have had nothing yet fill a
+  batch; a partly served request larger than one batch (bulk) continues in a batch of its own while bulk batches
+  have taken at most ``max_bulk_share`` of the last :data:`BULK_WINDOW_S` seconds of search time, or when no newcomer
+  arrives for :data:`BULK_IDLE_S` (alone, it has the server). A request of 1,024 long queries so runs as many small
+  batches, one for every four of the short requests arriving meanwhile, instead of one batch of minutes that they all
   wait behind. A request that fits one batch is never cut in two (it waits whole for the next batch), and once the
   rest of a big request fits one batch it keeps its place in the queue like any other.
   ``max_batch_chars`` bounds a batch's encoder work (the encoder truncates a query at ``max_length`` tokens, so at
   most :data:`CHARS_PER_QUERY_CAP` characters of one query count).
+- **Bulk requests are admitted by cost.** Requests larger than one batch may hold ``max_bulk_chars`` query
+  characters in all (one is always admitted); another gets :class:`Busy` (HTTP 429) at once. Nine maximal requests
+  held together filled the queue and the good clients got 503s; one at a time, they cost the good clients little.
 - **A failing batch is retried request by request, then query by query.** A batch that raises is not everyone's
   failure: each of its requests runs alone; one that still fails is searched query by query, and fails alone with
   :class:`BadQuery` naming its first query that cannot be searched (HTTP 422). The other requests get their results.
@@ -34,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -48,6 +53,11 @@ SearchFn = Callable[[list[str], list[int]], list[Hits]]
 # The encoder keeps at most 256 tokens of a query (EncoderConfig.max_length), about 1 KB of English: characters
 # beyond that cost it nothing, so they do not count against max_batch_chars.
 CHARS_PER_QUERY_CAP = 1024
+
+# Bulk work's share of the search time is measured over this window; when no small request arrives for
+# BULK_IDLE_S after a batch, the bulk work may run whatever its share.
+BULK_WINDOW_S = 2.0
+BULK_IDLE_S = 0.05
 
 
 @dataclass
@@ -75,15 +85,28 @@ class BatcherConfig:
     max_queued_queries: int = field(
         default=8192, metadata={"help": "Queued plus running queries above which requests get 503."}
     )
+    max_bulk_share: float = field(
+        default=0.2,
+        metadata={"help": "Most of the search time that requests larger than one batch get while smaller ones keep "
+                          "arriving (measured over the last 2 s); alone they get all of it."},
+    )
+    max_bulk_chars: int = field(
+        default=1 << 20,
+        metadata={"help": "Most query characters (each query counts at most 1,024) of requests larger than one batch "
+                          "held at once; another such request gets 429 until they are served (one is always admitted). "
+                          "The default holds one request of the largest size: nine of them held at once filled the "
+                          "queue, and good clients got 503s."},
+    )
 
     def __post_init__(self) -> None:
         limits = [v for v in (self.max_batch_size, self.max_batch_chars, self.max_queued_queries,
-                              self.search_threads) if v is not None]
-        if min(limits) <= 0 or self.max_wait_ms < 0:
+                              self.search_threads, self.max_bulk_chars) if v is not None]
+        if min(limits) <= 0 or self.max_wait_ms < 0 or not 0 < self.max_bulk_share <= 1:
             raise ValueError(
-                "max_batch_size, max_batch_chars, max_queued_queries and search_threads must be positive and "
-                f"max_wait_ms >= 0, got {self.max_batch_size}, {self.max_batch_chars}, {self.max_queued_queries}, "
-                f"{self.search_threads}, {self.max_wait_ms}"
+                "max_batch_size, max_batch_chars, max_queued_queries, search_threads and max_bulk_chars must be "
+                f"positive and max_wait_ms >= 0, got {self.max_batch_size}, {self.max_batch_chars}, "
+                f"{self.max_queued_queries}, {self.search_threads}, {self.max_bulk_chars}, {self.max_wait_ms}; "
+                f"max_bulk_share must be in (0, 1], got {self.max_bulk_share}"
             )
 
     def for_device(self, device_type: str) -> BatcherConfig:
@@ -98,6 +121,10 @@ class BatcherConfig:
 
 class QueueFull(RuntimeError):
     """The server holds as many queries as it may; the client should retry later."""
+
+
+class Busy(RuntimeError):
+    """Requests larger than one batch already hold ``max_bulk_chars``; this one should come back later (HTTP 429)."""
 
 
 class BadQuery(ValueError):
@@ -116,6 +143,7 @@ class _Request:
     enqueued_at: float
     hits: list[Hits | None] = field(default_factory=list)
     taken: int = 0  # queries handed to batches so far
+    bulk: bool = False  # larger than one batch
 
     @property
     def untaken(self) -> int:
@@ -151,6 +179,9 @@ class MicroBatcher:
         self.search, self.config, self.metrics = search, config.for_device(device_type), metrics
         self._pending: list[_Request] = []  # requests with queries not yet handed to a batch, oldest first
         self._held_queries = 0  # queries queued or running
+        self._bulk_chars = 0  # query characters of the held requests larger than one batch
+        self.last_failure: str | None = None  # the error of the last search, None once one succeeds
+        self._recent: deque[tuple[float, float, bool]] = deque()  # (end, seconds, bulk) of recent batches
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=self.config.search_threads, thread_name_prefix="retrieve")
         self._free_threads = asyncio.Semaphore(self.config.search_threads)
@@ -166,6 +197,14 @@ class MicroBatcher:
                 task.cancel()
         self._executor.shutdown(wait=True)
 
+    def check_room(self, bulk_chars: int) -> None:
+        """:class:`Busy` unless a request of ``bulk_chars`` query characters larger than one batch (0 for one that
+        fits a batch) may be held now. The server asks before reading a body over ``max_batch_chars`` bytes, with its
+        size, which bounds its characters: a client resending a refused 1 MB request costs no JSON parse."""
+        if bulk_chars and self._bulk_chars and self._bulk_chars + bulk_chars > self.config.max_bulk_chars:
+            raise Busy(f"{self._bulk_chars} query characters of requests larger than one batch are being served; "
+                       f"{bulk_chars} more would exceed max_bulk_chars={self.config.max_bulk_chars}; retry later")
+
     async def submit(self, queries: list[str], topk: int) -> list[Hits]:
         """Results for ``queries``, computed in whichever batches they land in; cancel it to drop the request."""
         if self._held_queries + len(queries) > self.config.max_queued_queries:
@@ -173,12 +212,19 @@ class MicroBatcher:
                 f"{self._held_queries} queries queued or running; {len(queries)} more would exceed "
                 f"max_queued_queries={self.config.max_queued_queries}"
             )
+        bulk = 0 if self._fits_a_batch(queries) else sum(map(_cost, queries))
+        self.check_room(bulk)
         loop = asyncio.get_running_loop()
-        request = _Request(queries, topk, loop.create_future(), loop.time(), hits=[None] * len(queries))
+        request = _Request(queries, topk, loop.create_future(), loop.time(), hits=[None] * len(queries),
+                           bulk=bool(bulk))
         self._held_queries += len(queries)
+        self._bulk_chars += bulk
         self._pending.append(request)
         self._arrived.set()
-        return await request.future
+        try:
+            return await request.future
+        finally:
+            self._bulk_chars -= bulk
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -211,32 +257,32 @@ class MicroBatcher:
     async def _next_batch(self, loop: asyncio.AbstractEventLoop) -> list[_Slice]:
         """Slices of pending requests, newcomers first, up to ``max_batch_size`` queries and ``max_batch_chars``
         characters (always at least one query)."""
-        if self.config.batching:
-            deadline = self._pending[0].enqueued_at + self.config.max_wait_ms / 1000
-            while sum(r.untaken for r in self._pending) < self.config.max_batch_size:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), remaining)
-                except TimeoutError:
-                    break
-            if not self._drop_finished():
+        if not await self._gather(loop):
+            return []
+        ready, big = self._split_pending()
+        while big and not ready and not self._bulk_may_run(loop.time()):
+            # Bulk work has had its share: a gap after a batch under load is only the time small clients take to
+            # read their answers and ask again, so wait for them and serve them first.
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), BULK_IDLE_S)
+            except TimeoutError:
+                break  # no small client is waiting: the bulk work may have the server
+            if not await self._gather(loop):
                 return []
-        ready = [r for r in self._pending if not r.taken or self._rest_fits_a_batch(r)]
-        big = [r for r in self._pending if r.taken and not self._rest_fits_a_batch(r)]
-        # Newcomers first, in arrival order; a big partly served request fills the gaps, which under load open after
-        # every batch (its clients are still reading their answers when the next batch forms).
-        use_big = bool(big) and not ready
+            ready, big = self._split_pending()
+        # Newcomers first, in arrival order, unless bulk work is owed its share of the time.
+        use_big = bool(big) and (not ready or self._bulk_may_run(loop.time()))
         candidates = big[:1] if use_big else ready if self.config.batching else ready[:1]
+        # A bulk slice is a quarter of a batch, so a newcomer arriving while one runs waits little for it.
+        max_chars = self.config.max_batch_chars // 4 if use_big else self.config.max_batch_chars
         batch: list[_Slice] = []
         size = chars = 0
         for request in candidates:
             end = request.taken
             while end < len(request.queries) and size < self.config.max_batch_size:
                 cost = _cost(request.queries[end])
-                if size and chars + cost > self.config.max_batch_chars:
+                if size and chars + cost > max_chars:
                     break
                 size, chars, end = size + 1, chars + cost, end + 1
             if end == request.taken:  # the batch is full
@@ -248,19 +294,55 @@ class MicroBatcher:
         self._pending = [r for r in self._pending if r.untaken]
         return batch
 
+    async def _gather(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """With batching, wait until ``max_batch_size`` queries are pending or the oldest newcomer (a request that
+        has had nothing yet) has waited ``max_wait_ms``; True if any request remains."""
+        if self.config.batching:
+            newcomers = [r for r in self._pending if not r.taken]
+            deadline = (newcomers or self._pending)[0].enqueued_at + self.config.max_wait_ms / 1000
+            while sum(r.untaken for r in self._pending) < self.config.max_batch_size:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
+                except TimeoutError:
+                    break
+        return self._drop_finished()
+
+    def _split_pending(self) -> tuple[list[_Request], list[_Request]]:
+        """(ready, big): requests that may join the next batch whole or as newcomers, and partly served requests
+        whose rest is larger than one batch."""
+        ready = [r for r in self._pending if not r.taken or self._rest_fits_a_batch(r)]
+        return ready, [r for r in self._pending if r.taken and not self._rest_fits_a_batch(r)]
+
+    def _bulk_may_run(self, now: float) -> bool:
+        """Whether the last batch was no bulk slice and bulk slices took at most ``max_bulk_share`` of the search time
+        of the last :data:`BULK_WINDOW_S` seconds: bulk slices run one at a time between the small batches, never in
+        a row ahead of newcomers (a row of them, up to the share, doubled the good clients' p99)."""
+        while self._recent and self._recent[0][0] < now - BULK_WINDOW_S:
+            self._recent.popleft()
+        if not self._recent:
+            return True
+        bulk = sum(seconds for _, seconds, is_bulk in self._recent if is_bulk)
+        return not self._recent[-1][2] and bulk <= self.config.max_bulk_share * sum(s for _, s, _ in self._recent)
+
     def _rest_fits_a_batch(self, request: _Request) -> bool:
         """Whether the queries of ``request`` not yet taken fit one batch on their own. Such a request is never cut
         to fill a batch, and once partly served it keeps its place in the queue instead of waiting behind
         newcomers: with 8 clients sending 64-query requests, the queries cut off a request at the end of a batch
         otherwise waited behind every newcomer (p99 5.8 s against a p50 of 0.36 s on 2 cores)."""
-        rest = request.queries[request.taken:]
-        return len(rest) <= self.config.max_batch_size and sum(map(_cost, rest)) <= self.config.max_batch_chars
+        return self._fits_a_batch(request.queries[request.taken:])
+
+    def _fits_a_batch(self, queries: list[str]) -> bool:
+        return len(queries) <= self.config.max_batch_size and sum(map(_cost, queries)) <= self.config.max_batch_chars
 
     async def _execute(self, batch: list[_Slice], loop: asyncio.AbstractEventLoop) -> None:
         queries = [q for s in batch for q in s.queries]
         try:
             hits, seconds = await loop.run_in_executor(
-                self._executor, _timed, self.search, queries, [s.request.topk for s in batch for _ in s.queries])
+                self._executor, _timed, self._searched, queries, [s.request.topk for s in batch for _ in s.queries])
         except Exception:
             self.metrics.batch_errors += 1
             logger.warning("batch of %d queries from %d requests failed; retrying request by request", len(queries),
@@ -269,6 +351,7 @@ class MicroBatcher:
                 await self._execute_alone(part, loop)
         else:
             self.metrics.record_batch(len(queries), len({id(s.request) for s in batch}), seconds)
+            self._recent.append((loop.time(), seconds, any(s.request.bulk for s in batch)))
             start = 0
             for part in batch:
                 self._deliver(part, hits[start:start + len(part.queries)])
@@ -298,7 +381,18 @@ class MicroBatcher:
         self._fail(part.request, first_error)
 
     async def _search(self, queries: list[str], topks: list[int], loop: asyncio.AbstractEventLoop) -> list[Hits]:
-        return await loop.run_in_executor(self._executor, self.search, queries, topks)
+        return await loop.run_in_executor(self._executor, self._searched, queries, topks)
+
+    def _searched(self, queries: list[str], topks: list[int]) -> list[Hits]:
+        """``search``'s result, remembering in :attr:`last_failure` whether it raised (in a search thread; one
+        attribute assignment, atomic)."""
+        try:
+            hits = self.search(queries, topks)
+        except Exception as error:
+            self.last_failure = f"{type(error).__name__}: {str(error)[:200]}"
+            raise
+        self.last_failure = None
+        return hits
 
     def _deliver(self, part: _Slice, hits: list[Hits]) -> None:
         request = part.request

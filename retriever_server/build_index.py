@@ -3,7 +3,9 @@
 Embeddings are written in shards of ``--shard_size`` passages beside the index (``<index_path>.shards/``); a killed
 build picks up at the first missing shard, which matters when embedding wiki-18 takes hours. Shards from a different
 corpus or encoder are refused, never mixed in. The index row of a passage is its row in the corpus file, which is how
-the server maps search results back to documents. A ``<index_path>.json`` sidecar records the encoder settings.
+the server maps search results back to documents. A ``<index_path>.json`` sidecar records the encoder (settings,
+width, the embedding of a probe passage) and the corpus (passage count, content fingerprint): the server refuses to
+start with any other.
 
     python -m retriever_server.build_index --corpus_path wiki-18.jsonl --retriever_model intfloat/e5-base-v2 \\
         --retriever_name e5 --index_path e5_flat.faiss
@@ -25,7 +27,7 @@ from transformers import HfArgumentParser
 
 from retriever_server.encoder import Encoder, EncoderConfig
 from retriever_server.index import Corpus, IndexConfig, SearchConfig, configure_search, new_index
-from retriever_server.retriever import meta_path, set_cpu_threads
+from retriever_server.retriever import meta_path, set_cpu_threads, sidecar
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +128,7 @@ def build(config: BuildConfig, encoder_config: EncoderConfig, index_config: Inde
     faiss.write_index(index, tmp)
     Path(tmp).rename(config.index_path)
     meta_path(config.index_path).write_text(json.dumps(
-        {"encoder": encoder_config.fingerprint(), "index": asdict(index_config), "passages": len(corpus),
-         "corpus_path": str(Path(config.corpus_path).resolve())}, indent=2))
+        sidecar(encoder, corpus, config.corpus_path, asdict(index_config)), indent=2))
     indexed = time.monotonic()
     accuracy, sampled = self_retrieval(index, paths, config.shard_size, config.sanity_samples)
     if not config.keep_embeddings:

@@ -19,6 +19,10 @@ from transformers import AutoModel, AutoTokenizer
 
 POOLINGS = ("mean", "cls")
 
+# Encoded at build time and at every server start: an encoder that embeds it differently (other weights, pooling
+# or prefix under the same width) would make every query search an index of vectors it did not write.
+PROBE_PASSAGE = "Paris\nParis is the capital and largest city of France, on the river Seine."
+
 
 @dataclass
 class EncoderConfig:
@@ -94,6 +98,10 @@ class Encoder:
 
     def encode_passages(self, passages: list[str]) -> np.ndarray:
         return self._encode([self.config.passage_prefix + p for p in passages])
+
+    def probe_vector(self) -> list[float]:
+        """The embedding of :data:`PROBE_PASSAGE`: a fingerprint of what the encoder computes, weights included."""
+        return [round(float(x), 6) for x in self.encode_passages([PROBE_PASSAGE])[0]]
 
     @torch.inference_mode()
     def _encode(self, texts: list[str]) -> np.ndarray:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -54,7 +55,8 @@ class RetrieverProcess:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"retrieval server exited with {self.process.returncode}; log: {self.log_file}")
+                raise RuntimeError(f"retrieval server exited with {self.process.returncode}{self._last_line()}; "
+                                   f"log: {self.log_file}")
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2.0).status_code == 200:
                     return self
@@ -63,6 +65,11 @@ class RetrieverProcess:
             time.sleep(0.5)
         self.__exit__()
         raise TimeoutError(f"retrieval server not healthy after {self.startup_timeout_s}s; log: {self.log_file}")
+
+    def _last_line(self) -> str:
+        """``: <the log's last line>`` (where the server says why it refused to start), or "" without a log."""
+        lines = Path(self.log_file).read_text(errors="replace").splitlines() if self.log_file else []
+        return f": {lines[-1]}" if lines else ""
 
     def __exit__(self, *exc) -> None:
         self.process.terminate()

@@ -3,7 +3,8 @@
     POST /retrieve  {"queries": [str, ...], "topk": 3, "return_scores": false}
         -> {"result": [[{"id": ..., "contents": "<title>\\n<text>"}, ...] per query]}
         with return_scores: {"result": [[{"document": {...}, "score": float}, ...] per query]}
-    GET /health     200 once the index, corpus and encoder are loaded (no file paths: it is unauthenticated)
+    GET /health     200 once the index, corpus and encoder are loaded, checked against each other and a probe query
+                    has been answered; 503 while searches fail (no file paths: it is unauthenticated)
     GET /metrics    Prometheus text: requests, queries, batches, batch sizes, latency percentiles, rejections
 
 It is a drop-in replacement for Search-R1's ``retrieval_server.py`` (same flags, same JSON), made safe to share
@@ -14,9 +15,13 @@ between thousands of model-written queries:
   error is a 500 naming its type, and every one of them is counted in ``/metrics`` with the connection kept open;
 - a query that cannot be searched fails its own request only (422), never the batch it shares (batching.py);
 - work per request is capped (``max_request_cost`` documents, i.e. queries x topk) and a big request is served in
-  slices with the small ones in between, so one valid request cannot stall the others; a request whose client
-  disconnects stops being searched;
-- no interactive docs or OpenAPI schema are served.
+  slices with the small ones in between, so one valid request cannot stall the others; requests larger than one
+  batch are admitted by cost (``max_bulk_chars``; another gets 429 with ``Retry-After``), so nine of them cannot
+  either; a request whose client disconnects stops being searched;
+- no interactive docs or OpenAPI schema are served;
+- it does not start with parts that cannot answer: an encoder or corpus other than the index was built with
+  (the index's sidecar, ``retriever.py``), or a probe query that fails, is one line on stderr and exit status 1,
+  before the port is bound.
 
     python -m retriever_server.server --index_path e5_flat.faiss --corpus_path wiki-18.jsonl \\
         --retriever_name e5 --retriever_model intfloat/e5-base-v2 --topk 3
@@ -35,8 +40,10 @@ if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import asyncio
+import contextlib
 import json
 import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -48,11 +55,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import HfArgumentParser
 
-from retriever_server.batching import BadQuery, BatcherConfig, MicroBatcher, QueueFull
+from retriever_server.batching import BadQuery, BatcherConfig, Busy, MicroBatcher, QueueFull
 from retriever_server.encoder import EncoderConfig
 from retriever_server.index import SearchConfig
 from retriever_server.metrics import Metrics
 from retriever_server.retriever import Hits, Retriever, set_cpu_threads
+
+PROBE_QUERY = "Who won Super Bowl 50?"
+BUSY_RETRY_AFTER_S = 1
+HEALTH_PROBE_TIMEOUT_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -195,16 +206,30 @@ def create_app(retriever: Retriever, config: ServerConfig, batcher_config: Batch
     # No /docs, /redoc or /openapi.json: the server is unauthenticated and nothing needs them.
     app = FastAPI(title="searchr1-trl retriever", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    def error(status: int, detail: str) -> JSONResponse:
+    def error(status: int, detail: str, headers: dict | None = None) -> JSONResponse:
         metrics.record_rejection(status)
-        return JSONResponse({"detail": detail}, status_code=status)
+        return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)  # ours, and Starlette's 404/405
     async def count_rejection(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error(exc.status_code, exc.detail)
+        return error(exc.status_code, exc.detail, exc.headers)
+
+    async def busy(exc: Busy) -> HTTPException:
+        """The 429 of a request refused for bulk room, sent after its Retry-After: a client that ignores it and
+        resends at once still sends one a second per connection (nine resending 1 MB requests at once took 37% of
+        the good clients' throughput with their 10,000 refusals, all on 2 cores)."""
+        await asyncio.sleep(BUSY_RETRY_AFTER_S)
+        return HTTPException(status_code=429, detail=f"queries: {exc}",
+                             headers={"Retry-After": str(BUSY_RETRY_AFTER_S)})
 
     async def answer(request: Request) -> Response:
         start = time.monotonic()
+        declared = request.headers.get("content-length", "")
+        try:
+            if declared.isdigit() and int(declared) > batcher.config.max_batch_chars:
+                batcher.check_room(int(declared))
+        except Busy as exc:
+            raise await busy(exc) from None
         parsed = parse_request(await read_body(request, config.max_body_bytes), config, max_queries)
         search = asyncio.ensure_future(batcher.submit(parsed.queries, parsed.topk))
         left = asyncio.ensure_future(_client_left(request))
@@ -220,6 +245,8 @@ def create_app(retriever: Retriever, config: ServerConfig, batcher_config: Batch
             hits = search.result()
         except QueueFull as exc:
             raise HTTPException(status_code=503, detail=f"queue: {exc}") from None
+        except Busy as exc:
+            raise await busy(exc) from None
         except BadQuery as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from None
         response = json_response({"result": format_result(hits, parsed.return_scores)})
@@ -237,13 +264,20 @@ def create_app(retriever: Retriever, config: ServerConfig, batcher_config: Batch
             return error(500, f"internal: {type(exc).__name__}: {str(exc)[:200]}")
 
     @app.get("/health")
-    async def health() -> dict:
-        return {
+    async def health() -> Response:
+        """ok, or 503 while searches fail: after a failed search, ok only once a probe query is answered."""
+        if batcher.last_failure is not None:
+            with contextlib.suppress(Exception):  # the probe's failure is what last_failure now says
+                await asyncio.wait_for(batcher.submit([PROBE_QUERY], 1), HEALTH_PROBE_TIMEOUT_S)
+        if batcher.last_failure is not None:
+            return JSONResponse({"status": "failing", "detail": f"searches fail: {batcher.last_failure}"},
+                                status_code=503)
+        return json_response({
             "status": "ok",
             "passages": len(retriever.corpus),
             "index": type(retriever.index).__name__,
             "batching": batcher_config.batching,
-        }
+        })
 
     @app.get("/metrics")
     async def get_metrics() -> PlainTextResponse:
@@ -252,13 +286,29 @@ def create_app(retriever: Retriever, config: ServerConfig, batcher_config: Batch
     return app
 
 
+def probe(retriever: Retriever) -> None:
+    """ValueError unless one query is searched end to end (tokenizer, encoder, index, corpus) with one hit: a
+    server that cannot answer must not report itself healthy."""
+    try:
+        [hits] = retriever.search([PROBE_QUERY], [1])
+    except Exception as error:  # noqa: BLE001 - whatever it is, the server cannot answer queries
+        raise ValueError(f"a probe query fails, so no query could be answered: {type(error).__name__}: "
+                         f"{str(error)[:300]}") from None
+    if len(hits.documents) != 1:
+        raise ValueError(f"a probe query found {len(hits.documents)} passages, expected 1: is the index empty?")
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[retriever] %(message)s")
     parser = HfArgumentParser([ServerConfig, EncoderConfig, SearchConfig, BatcherConfig], description=__doc__)
-    config, encoder_config, search_config, batcher_config = parser.parse_args_into_dataclasses(args=argv)
-    set_cpu_threads(config.cpu_threads)
-    start = time.monotonic()
-    retriever = Retriever.from_paths(config.index_path, config.corpus_path, encoder_config, search_config)
+    try:
+        config, encoder_config, search_config, batcher_config = parser.parse_args_into_dataclasses(args=argv)
+        set_cpu_threads(config.cpu_threads)
+        start = time.monotonic()
+        retriever = Retriever.from_paths(config.index_path, config.corpus_path, encoder_config, search_config)
+        probe(retriever)
+    except (ValueError, OSError) as error:  # bad flags, mismatched parts, missing files: what to change, in a line
+        sys.exit("error: " + " ".join(str(error).split()))
     logger.info("loaded %d passages in %.1fs; serving on http://%s:%d", len(retriever.corpus),
                 time.monotonic() - start, config.host, config.port)
     app = create_app(retriever, config, batcher_config)

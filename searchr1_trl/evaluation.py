@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,15 +40,7 @@ from searchr1_trl.engine.generation import (
     VLLMServerGenerator,
     end_token_ids,
 )
-from searchr1_trl.engine.rollout import (
-    EnvFactory,
-    EnvStep,
-    MessageEnv,
-    Rollout,
-    RolloutConfig,
-    RolloutEngine,
-    RolloutStatus,
-)
+from searchr1_trl.engine.rollout import EnvFactory, EnvStep, MessageEnv, RolloutConfig, RolloutEngine, RolloutStatus
 from searchr1_trl.search_r1.env import (
     QUESTION_SEPARATOR,
     RESTATEMENT,
@@ -61,6 +52,10 @@ from searchr1_trl.search_r1.retrieval import RetrievalClient
 from searchr1_trl.search_r1.rubric import RewardExactMatch, final_answer, normalize_answer, retrieval_surfaced_gold
 
 METHODS = ("direct", "rag", "agent")
+
+# A trace's status when one of its searches got no answer from the retriever (an outage, not "no hits"): it is not
+# scored, a rerun of searchr1-eval generates it again, and the table counts it.
+SEARCH_FAILED = "error_search"
 
 DIRECT_INSTRUCTION = (
     "Answer the question below. Reply with only the answer: an entity or a short phrase, not a sentence and no "
@@ -94,30 +89,34 @@ class Trace:
     data_source: str
     method: str
     answer: str | None  # the final answer; None when the rollout ended without one
-    em: bool
-    searches: list[dict]  # [{"query": str, "titles": [str, ...]}] in order
+    em: bool  # False when a search failed: such a trace is not scored
+    searches: list[dict]  # [{"query": str, "titles": [str, ...], "failed": bool}] in order
     num_turns: int
-    status: str  # a RolloutStatus value
+    status: str  # a RolloutStatus value, or SEARCH_FAILED
     messages: list[dict] = field(default_factory=list)
     gold_in_first_search: bool | None = None  # whether the first search's passages hold a golden answer; None: none
 
 
-def _searches(messages: Sequence[dict]) -> list[dict]:
+def _searches(messages: Sequence[dict], outage: bool = False) -> list[dict]:
     """Each search call's query with the titles of the passages it got back, in call order.
 
-    A tool message answers the earliest unanswered call; a call cut off before its answer has no titles.
+    A tool message answers the earliest unanswered call; a call cut off before its answer has no titles. A call
+    answered with an empty message is ``failed``: the env answers so a search the retriever did not answer (every
+    other answer, an error message included, has text); with ``outage`` (the rollout ended as ``error_tool``) so are
+    the unanswered calls of its last step, whose answers were dropped with it.
     """
     calls, answers = [], []
     for message in messages:
         if message["role"] == "assistant":
             for call in message.get("tool_calls") or []:
                 function = call.get("function") or {}
-                calls.append({"query": _query_from_arguments(function.get("arguments")), "titles": []})
+                calls.append({"query": _query_from_arguments(function.get("arguments")), "titles": [],
+                              "failed": outage})
         elif message["role"] == "tool":
-            answers.append(passage_titles(message.get("content") or ""))
+            answers.append(message.get("content") or "")
     # A rollout cut after its last calls has fewer tool messages than calls: those calls keep no titles.
-    for call, titles in zip(calls, answers, strict=False):
-        call["titles"] = titles
+    for call, answer in zip(calls, answers, strict=False):
+        call["titles"], call["failed"] = passage_titles(answer), not answer
     return calls
 
 
@@ -165,26 +164,27 @@ class Method:
             raise ValueError(f"method {name!r}; expected one of {', '.join(METHODS)}")
         self.name, self.engine, self.retrieval = name, engine, retrieval
 
-    async def rollout(self, sample, params: SamplingParams) -> Rollout:
+    async def answer(self, sample, params: SamplingParams) -> Trace:
+        """The trace of ``sample``; a trace with a failed search has status :data:`SEARCH_FAILED` and no EM."""
         if self.retrieval is None:
-            return await self.engine.rollout(sample, params)
-        passages = await self.retrieval.search(sample.question)
-        prompt = f"{passages}\n\n{RESTATEMENT.format(question=sample.question)}"
-        return await self.engine.rollout(sample, params, messages=[{"role": "user", "content": prompt}])
-
-    def trace(self, sample, rollout: Rollout) -> Trace:
-        searches = _searches(rollout.messages)
-        gold_first = _gold_in_first_search(rollout.messages, sample.golden_answers)
-        if self.retrieval is not None:
-            passages = rollout.messages[0]["content"]
-            searches.insert(0, {"query": sample.question, "titles": passage_titles(passages)})
+            rollout = await self.engine.rollout(sample, params)
+            searches = _searches(rollout.messages, outage=rollout.status == RolloutStatus.ERROR_TOOL)
+            gold_first = _gold_in_first_search(rollout.messages, sample.golden_answers)
+        else:
+            passages = await self.retrieval.search(sample.question)
+            prompt = f"{passages}\n\n{RESTATEMENT.format(question=sample.question)}"
+            rollout = await self.engine.rollout(sample, params, messages=[{"role": "user", "content": prompt}])
+            searches = [{"query": sample.question, "titles": passage_titles(passages), "failed": not passages},
+                        *_searches(rollout.messages)]
             gold_first = _gold_in_first_search([{"role": "tool", "name": "search", "content": passages}],
                                                sample.golden_answers)
+        failed = any(search["failed"] for search in searches)
         return Trace(
             question=sample.question, golden_answers=list(sample.golden_answers),
             data_source=sample.data_source or "all", method=self.name, answer=final_answer(rollout.messages),
-            em=exact_match(rollout.messages, sample.golden_answers), searches=searches, num_turns=rollout.num_turns,
-            status=rollout.status.value, messages=rollout.messages, gold_in_first_search=gold_first,
+            em=not failed and exact_match(rollout.messages, sample.golden_answers), searches=searches,
+            num_turns=rollout.num_turns, status=SEARCH_FAILED if failed else rollout.status.value,
+            messages=rollout.messages, gold_in_first_search=None if failed else gold_first,
         )
 
     async def aclose(self) -> None:
@@ -217,8 +217,7 @@ async def run(method: Method, samples: Sequence, params: SamplingParams,
 
     async def one(index: int, sample) -> None:
         async with slots:
-            rollout = await method.rollout(sample, params)
-        traces[index] = method.trace(sample, rollout)
+            traces[index] = await method.answer(sample, params)
         if on_trace is not None:
             on_trace(index, traces[index])
 
@@ -232,33 +231,44 @@ async def run(method: Method, samples: Sequence, params: SamplingParams,
 
 
 def summarize(traces: Sequence[Trace]) -> dict[str, float]:
-    """EM overall and per data source (``em/<source>``), searches and turns per rollout, status fractions, and what
-    a search policy learned: ``second_query_rate`` (a later search asked something else), ``first_search_missed``
-    (the first search's passages held no golden answer) and ``em_first_search_missed`` (EM of those).
+    """EM overall and per data source (``em/<source>``), searches and turns per rollout, status fractions, the
+    number of traces with a failed search (``search_failed``), and what a search policy learned:
+    ``second_query_rate`` (a later search asked something else), ``first_search_missed`` (the first search's
+    passages held no golden answer) and ``em_first_search_missed`` (EM of those).
 
-    ``em`` is over all traces (micro); a table's average over data sources is :func:`macro_average`.
+    ``em`` is over all traces but those with a failed search (micro); a table's average over data sources is
+    :func:`macro_average`.
     """
     if not traces:
         raise ValueError("no traces to summarize")
     n = len(traces)
-    by_source: dict[str, list[bool]] = defaultdict(list)
-    for trace in traces:
+    scored = [t for t in traces if t.status != SEARCH_FAILED]
+    # A source whose every trace has a failed search still gets its (NaN) column.
+    by_source: dict[str, list[bool]] = {trace.data_source: [] for trace in traces}
+    for trace in scored:
         by_source[trace.data_source].append(trace.em)
     metrics = {
-        "em": sum(t.em for t in traces) / n,
+        "em": _mean([t.em for t in scored]),
         "searches_per_rollout": sum(len(t.searches) for t in traces) / n,
         "turns_per_rollout": sum(t.num_turns for t in traces) / n,
-        **{f"status_{s.value}": sum(t.status == s.value for t in traces) / n for s in RolloutStatus},
+        **{f"status_{s}": sum(t.status == s for t in traces) / n for s in (*(r.value for r in RolloutStatus),
+                                                                                 SEARCH_FAILED)},
         "second_query_rate": sum(_made_second_query(t) for t in traces if t.searches) / n,
         "num_samples": n,
+        "search_failed": n - len(scored),
     }
-    missed = [t for t in traces if t.gold_in_first_search is False]
-    if any(t.gold_in_first_search is not None for t in traces):
-        metrics["first_search_missed"] = len(missed) / n
+    missed = [t for t in scored if t.gold_in_first_search is False]
+    if any(t.gold_in_first_search is not None for t in scored):
+        metrics["first_search_missed"] = len(missed) / len(scored)
     if missed:
         metrics["em_first_search_missed"] = sum(t.em for t in missed) / len(missed)
-    metrics.update({f"em/{source}": sum(v) / len(v) for source, v in sorted(by_source.items())})
+    metrics.update({f"em/{source}": _mean(v) for source, v in sorted(by_source.items())})
     return metrics
+
+
+def _mean(values: Sequence[bool]) -> float:
+    """The fraction of true values; NaN for none (a source whose every trace failed has no EM)."""
+    return sum(values) / len(values) if values else float("nan")
 
 
 def macro_average(metrics: dict[str, float]) -> float:
@@ -282,6 +292,32 @@ def _same_model(served: str, checkpoint: str) -> bool:
     return served_path.exists() and served_path.resolve() == checkpoint_path.resolve()
 
 
+def check_generator(kind: str, checkpoint: str, url: str | None = None) -> None:
+    """ValueError naming the problem unless ``checkpoint`` can be generated from: with ``vllm`` the server at ``url``
+    answers and serves it, with ``transformers`` its config loads."""
+    if kind == "vllm":
+        try:
+            served = _served_model(url)
+        except httpx.HTTPError as error:
+            raise ValueError(f"vLLM server not reachable at {url} ({error!r}): start `trl vllm-serve --model "
+                             f"{checkpoint} --host 127.0.0.1` there or fix vllm_server_base_url") from None
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise ValueError(f"the server at {url} answers /v1/models with no model list: is it a vLLM server?") \
+                from None
+        if not _same_model(served, checkpoint):
+            raise ValueError(f"the vLLM server at {url} serves {served!r}, not checkpoint {checkpoint!r}")
+    elif kind == "transformers":
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(checkpoint)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"checkpoint {checkpoint!r} cannot be loaded: {' '.join(str(error).split())[:300]}") \
+                from None
+    else:
+        raise ValueError(f"generator={kind!r}; expected 'vllm' or 'transformers'")
+
+
 def policy_generator(kind: str, checkpoint: str, tokenizer, url: str | None = None, dtype: str = "auto",
                      max_concurrency: int = 256) -> Generator:
     """A generator of ``checkpoint``'s policy: ``vllm``, the server at ``url`` (ValueError unless it answers and
@@ -289,22 +325,14 @@ def policy_generator(kind: str, checkpoint: str, tokenizer, url: str | None = No
     auto: bfloat16 on GPU, float32 on CPU). Either stops turns at :func:`end_token_ids`."""
     from transformers import GenerationConfig
 
+    check_generator(kind, checkpoint, url)
     if kind == "vllm":
-        try:
-            served = _served_model(url)
-        except httpx.HTTPError as error:
-            raise ValueError(f"vLLM server not reachable at {url} ({error!r}): start `trl vllm-serve --model "
-                             f"{checkpoint}` there or fix vllm_server_base_url") from None
-        if not _same_model(served, checkpoint):
-            raise ValueError(f"the vLLM server at {url} serves {served!r}, not checkpoint {checkpoint!r}")
         try:
             generation_config = GenerationConfig.from_pretrained(checkpoint)
         except OSError:  # a checkpoint without generation_config.json: the tokenizer's end tokens only
             generation_config = None
         return VLLMServerGenerator(url, max_concurrency=max_concurrency,
                                    stop_token_ids=end_token_ids(tokenizer, generation_config))
-    if kind != "transformers":
-        raise ValueError(f"generator={kind!r}; expected 'vllm' or 'transformers'")
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -1,9 +1,10 @@
 """Checks a recipe's plan before anything heavy starts, so a bad plan fails in one line that says what to change.
 
 Checked: required fields, the generator's tensor parallel size against the model's KV heads (vLLM shards KV heads,
-so TP must divide them), local files, and (optionally) that the retrieval and generator servers
-answer. KV head counts come from the model's config when it can be read (local folder or Hub cache), else from the
-published numbers below, so recipes validate offline.
+so TP must divide them), local files (data files row by row), that the weight-sync folder holds nothing a push did
+not write, and (optionally) that the retrieval and generator servers answer. KV head counts come from the model's
+config when it can be read (local folder or Hub cache), else from the published numbers below, so recipes validate
+offline.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from pathlib import Path
 
 import httpx
 
+from searchr1_trl.search_r1.data import load_samples
+from searchr1_trl.search_r1.retrieval import check_retriever
 from searchr1_trl.shapes import PUBLISHED_CONFIGS
+from searchr1_trl.weight_sync import check_sync_folder_is_ours, reload_folder
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +100,22 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
         path = getattr(args, name)
         if path and not Path(path).exists():
             raise PlanError(f"{name}={path} does not exist: prepare it (searchr1-assets) or fix the path")
+        if path:
+            try:  # every row, now: the trainer reads the file only once the model is loaded, in a traceback
+                load_samples(path)
+            except ValueError as error:
+                raise PlanError(f"{name}: {error}") from None
     tp = args.vllm_tensor_parallel_size
     heads = kv_heads(model)
     if tp > heads or heads % tp:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         raise PlanError(f"vllm_tensor_parallel_size={tp} does not divide the {heads} KV heads of {model}: "
                         f"use one of {divisors}")
+    if args.generator == "vllm" and args.weight_sync == "reload":
+        try:  # at the first push, minutes into the run, would be too late to say it
+            check_sync_folder_is_ours(reload_folder(args))
+        except ValueError as error:
+            raise PlanError(str(error)) from None
     if not check_machine:
         return
     if args.weight_sync == "nccl" and args.generator == "vllm":
@@ -109,11 +123,12 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
 
         if not torch.cuda.is_available():
             raise PlanError("weight_sync=nccl needs CUDA: use weight_sync=reload on this machine")
-    search_base = args.search_url.rsplit("/", 1)[0]
-    if not _server_answers(f"{search_base}/health"):
-        raise PlanError(f"retrieval server not reachable at {search_base}/health: start `searchr1-retriever` "
-                        "or fix search_url")
+    try:  # health and a probe query: a server that is up but cannot search would fail every search of the run
+        check_retriever(args.search_url, args.topk)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
     # Waits, as TRL's own client does: the server may be starting up beside the trainer (scripts/offline_job.py).
     if args.generator == "vllm" and not _server_answers(f"{args.generator_url}/health", args.vllm_server_timeout):
         raise PlanError(f"vLLM server not reachable at {args.generator_url}/health within vllm_server_timeout="
-                        f"{args.vllm_server_timeout:.0f}s: start `trl vllm-serve` or fix vllm_server_base_url")
+                        f"{args.vllm_server_timeout:.0f}s: start `trl vllm-serve --model {model} --host 127.0.0.1` "
+                        "or fix vllm_server_base_url")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 import typing
 from collections.abc import Callable
 from dataclasses import Field, asdict, dataclass, field, fields, make_dataclass, replace
@@ -189,6 +190,13 @@ class SearchR1Config(GRPOConfig):
     search_max_response_bytes: int = knob("env", "max_response_bytes")
     search_max_passage_chars: int = knob("env", "max_passage_chars")
     restate_question: bool = knob("env", "restate_question")
+    max_failed_search_fraction: float = field(
+        default=0.5,
+        metadata={"help": "Training stops (one line, the last checkpoint kept) when more than this fraction of a "
+                          "step's searches failed, every retry spent: a retriever that is down would otherwise turn "
+                          "steps into training on outages. Rollouts whose searches failed are not trained on either "
+                          "way (status error_tool)."},
+    )
 
     # --- rollout budgets ---
     max_turns: int = knob("rollout", "max_turns")
@@ -244,6 +252,9 @@ class SearchR1Config(GRPOConfig):
 
     def __post_init__(self):
         self.generator = resolve_generator(self.generator)
+        if not 0 <= self.max_failed_search_fraction <= 1:
+            raise ValueError(f"max_failed_search_fraction={self.max_failed_search_fraction!r}; expected a fraction "
+                             "in [0, 1]")
         if self.weight_sync not in ("reload", "nccl"):
             raise ValueError(f"weight_sync={self.weight_sync!r}; expected 'reload' or 'nccl'")
         if self.weight_sync_dtype not in (None, "bfloat16", "float16", "float32"):
@@ -371,17 +382,64 @@ def recipe_path(name: str) -> Path:
     return candidate
 
 
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """The fields a recipe file sets, checked against their types: ValueError naming the file, the field (or the
+    YAML line) and what is expected. TrlParser would pass a list on where a number belongs, to fail in a traceback
+    somewhere inside the trainer, and raise its own traceback for YAML that is no mapping or no YAML."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as error:
+        mark, context = getattr(error, "problem_mark", None), getattr(error, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        since = f" ({error.context} at line {context.line + 1})" if context and error.context else ""
+        raise ValueError(f"{path}: not valid YAML{where}: {getattr(error, 'problem', None) or error}{since}") \
+            from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: a recipe is a mapping of field: value, got a YAML {type(values).__name__}")
+    hints = {**typing.get_type_hints(ModelConfig), **typing.get_type_hints(SearchR1Config)}
+    for name, value in values.items():
+        accepted = _accepted_types(hints[name]) if name in hints else None
+        # bool is an int in Python, but `true` is no count
+        if accepted is not None and not (bool in accepted if isinstance(value, bool) else isinstance(value, accepted)):
+            shown = [t for t in dict.fromkeys(accepted) if not (t is int and float in accepted)]  # a number: both
+            expected = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in shown)
+            raise ValueError(f"{path}: {name}: expected {expected}, got {_TYPE_NAMES.get(type(value), 'a value')} "
+                             f"{value!r:.80}")
+    return values
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+               dict: "a mapping", type(None): "null"}
+
+
+def _accepted_types(hint: Any) -> tuple[type, ...] | None:
+    """The YAML value types a field of type ``hint`` takes (``float`` takes integers too), or None for a type that is
+    not checked here (enums, literals: TrlParser and the configs check those)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_accepted_types(arg) for arg in typing.get_args(hint)]
+        return None if any(p is None for p in parts) else tuple(t for p in parts for t in p)
+    hint = origin or hint
+    if hint is type(None):
+        return (type(None),)
+    if hint is float:
+        return (int, float)
+    return (hint,) if hint in (int, str, bool, list, dict) else None
+
+
 def recipe_values(argv: list[str]) -> dict[str, Any]:
     """Every field ``--config <recipe> [--field value ...]`` sets, typed by :func:`load_recipe`'s parser but not yet a
     config: what the plan check reads first, since building the config runs ``TrainingArguments``' own checks (bf16
     without a GPU fails there in a traceback that names neither the recipe nor what to run instead)."""
-    import yaml
-
     argv = list(argv)
     parser = TrlParser((SearchR1Config, ModelConfig))
     if "--config" in argv:
         i = argv.index("--config")
-        values = yaml.safe_load(recipe_path(argv[i + 1]).read_text()) or {}
+        values = read_recipe(recipe_path(argv[i + 1]))
         values.pop("env", None)  # environment variables for the run, not fields
         parser.set_defaults_with_config(**values)
         del argv[i:i + 2]
@@ -395,7 +453,10 @@ def load_recipe(argv: list[str] | None = None) -> tuple[SearchR1Config, ModelCon
     if "--config" in argv:
         i = argv.index("--config") + 1
         argv[i] = str(recipe_path(argv[i]))
+        read_recipe(argv[i])  # one line for a recipe TrlParser would turn into a traceback
     args, model_args = TrlParser((SearchR1Config, ModelConfig)).parse_args_and_config(args=argv)
     if model_args.model_name_or_path:
         model_args.model_name_or_path = resolve_path(model_args.model_name_or_path)
+    for part in PARTS:  # each part checks its own knobs (max_turns >= 1, ...): now, not when the trainer builds it
+        part_config(args, part)
     return args, model_args

@@ -84,6 +84,10 @@ from searchr1_trl.weight_sync import weight_push
 
 logger = logging.getLogger(__name__)
 
+class SearchOutage(RuntimeError):
+    """More of a step's searches failed than the recipe allows (``max_failed_search_fraction``)."""
+
+
 STREAM_STATE_FILE = "question_stream.json"
 CHECKPOINT_COMPLETE_FILE = "searchr1_checkpoint_complete"  # written last: the checkpoint can be resumed from
 MAX_CONSECUTIVE_NONFINITE_STEPS = 3
@@ -335,8 +339,22 @@ class SearchR1Trainer(GRPOTrainer):
         metrics["rollout/turns_per_rollout"].append(sum(r.num_turns for r in rollouts) / len(rollouts))
         metrics["rollout/generated_tokens"].append(sum(sum(r.env_mask) for r in rollouts))
         metrics["rollout/time_s"].append(seconds)
-        for key, value in self.envs.metrics().items():
+        env_metrics = self.envs.metrics()
+        for key, value in env_metrics.items():
             metrics[key].append(value)
+        if mode == "train":
+            self._stop_on_search_outage(env_metrics["search/failures"], env_metrics["search/searches"])
+
+    def _stop_on_search_outage(self, failures: float, searches: float) -> None:
+        """:class:`SearchOutage` when more than ``max_failed_search_fraction`` of this step's searches, over every
+        process (each sees the same count, so all stop together), failed with every retry spent."""
+        failures, searches = map(sum, zip(*gather_object([(failures, searches)]), strict=True))
+        if searches and failures / searches > self.args.max_failed_search_fraction:
+            raise SearchOutage(
+                f"{failures:.0f} of {searches:.0f} searches of step {self.state.global_step + 1} failed, more than "
+                f"max_failed_search_fraction={self.args.max_failed_search_fraction}: the retriever at "
+                f"{self.args.search_url} does not answer; training stopped (resume from the last checkpoint once it "
+                "serves again)")
 
     def _generate(self, prompts):
         # Extends GRPOTrainer._generate (TRL 1.16): sync first, so TRL's own NCCL push finds the step loaded.

@@ -78,8 +78,12 @@ def weight_push(args, accelerator, vllm_generation=None) -> WeightPush:
             raise ValueError(f"weight_sync='nccl' needs TRL's vLLM client (use_vllm with generator='vllm'), got "
                              f"generator={args.generator!r}")
         return NcclPush(vllm_generation)
-    folder = args.weight_sync_dir or Path(args.output_dir) / "generator_weights"
-    return ReloadPush(accelerator, args.generator_url, folder, args.weight_sync_dtype)
+    return ReloadPush(accelerator, args.generator_url, reload_folder(args), args.weight_sync_dtype)
+
+
+def reload_folder(args) -> Path:
+    """The folder a reload push writes: ``weight_sync_dir``, default ``<output_dir>/generator_weights``."""
+    return Path(args.weight_sync_dir or Path(args.output_dir) / "generator_weights")
 
 
 def save_for_reload(model: torch.nn.Module, state_dict: dict | None, folder: Path,
@@ -87,7 +91,7 @@ def save_for_reload(model: torch.nn.Module, state_dict: dict | None, folder: Pat
     """Write what the server loads into ``folder`` (replaced whole, never half-written): ``state_dict`` (None: the
     model's own), or with PEFT the decoder layers it trains, adapters merged in
     (:func:`_layers_with_trainable_parameters`), in ``dtype`` when given."""
-    _check_sync_folder_is_ours(folder)
+    check_sync_folder_is_ours(folder)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None))
     with contextlib.ExitStack() as stack:
         if hasattr(model, "merge_and_unload"):  # PEFT: ship the layers it trains, with the adapter merged in
@@ -103,8 +107,9 @@ def save_for_reload(model: torch.nn.Module, state_dict: dict | None, folder: Pat
     tmp.rename(folder)
 
 
-def _check_sync_folder_is_ours(folder: Path) -> None:
-    """ValueError if ``folder`` exists with content a push did not write: every push replaces it whole."""
+def check_sync_folder_is_ours(folder: Path) -> None:
+    """ValueError if ``folder`` exists with content a push did not write: every push replaces it whole. The plan
+    check asks before the run starts, every push again before it writes."""
     if folder.is_dir() and any(folder.iterdir()) and not (folder / WEIGHT_SYNC_MARKER).exists():
         found = sorted(p.name for p in folder.iterdir())[:5]
         raise ValueError(

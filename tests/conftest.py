@@ -34,17 +34,26 @@ TEST_CORPUS_ARTICLES = 8
 
 class _Healthy(BaseHTTPRequestHandler):
     def do_GET(self):
+        self._answer(b"")
+
+    def do_POST(self):  # a search: one passage per query, as a retriever's probe check expects
+        queries = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["queries"]
+        self._answer(json.dumps({"result": [[{"contents": f"T\n{q}"}] for q in queries]}).encode())
+
+    def _answer(self, body: bytes) -> None:
         self.send_response(200)
-        self.send_header("Content-Length", "0")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args):
         pass
 
 
 def serve_health(port: int | None = None) -> ThreadingHTTPServer:
-    """A stand-in server, running in a thread on ``port`` (a free one by default), that answers every GET with 200:
-    for checks that only ask whether some server is up. The caller shuts it down."""
+    """A stand-in server, running in a thread on ``port`` (a free one by default), that answers every GET with 200
+    and every search with one passage per query: for checks that only ask whether some server is up and answers.
+    The caller shuts it down."""
     server = ThreadingHTTPServer(("127.0.0.1", port or free_port()), _Healthy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

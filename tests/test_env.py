@@ -252,7 +252,7 @@ def test_the_calls_of_a_turn_run_concurrently_as_one_batched_request(fake_retrie
     assert env.metrics() == {
         "search/searches": 2, "search/requests": 1, "search/failures": 0,
         "search/request_latency_s": pytest.approx(0.0, abs=1.0),
-        "search/empty_queries": 0, "search/unknown_tool_calls": 0,
+        "search/empty_queries": 0, "search/unknown_tool_calls": 0, "search/failed_steps": 0,
     }
 
 

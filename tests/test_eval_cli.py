@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pandas as pd
 import pytest
+from conftest import free_port
 
 from searchr1_trl.cli import eval as eval_cli
 
@@ -74,7 +79,8 @@ def test_eval_writes_a_table_per_method_and_source_json_and_one_trace_per_questi
         (m, s) for m in ("direct", "rag", "agent") for s in ("squad_even", "squad_odd")}
     assert all(t["searches"][0]["titles"] for t in traces if t["method"] == "rag")
     table = (out / "results.md").read_text().splitlines()
-    assert table[0] == ("| method | checkpoint | squad_even (n=2) | squad_odd (n=2) | average | searches / rollout |")
+    assert table[0] == ("| method | checkpoint | squad_even (n=2) | squad_odd (n=2) | average | searches / rollout "
+                        "| failed searches |")
     assert [row.split(" | ")[0] for row in table[2:]] == ["| direct", "| rag", "| agent"]
     rows = json.loads((out / "results.json").read_text())["results"]
     assert set(rows[0]) >= {"em", "average", "searches_per_rollout", "turns_per_rollout", "status", "num_samples"}
@@ -162,3 +168,105 @@ def test_eval_offline_with_in_process_generation_starts_its_retriever_and_no_vll
     assert "--generator transformers" in command and "--vllm_server_base_url" not in command
     assert not (out / "vllm.log").exists()
     assert len((out / "traces.jsonl").read_text().splitlines()) == 4  # 2 questions x 2 methods
+
+
+class FaultyRetrieverProxy(BaseHTTPRequestHandler):
+    """A fault on purpose: forwards to the real retriever (``server.upstream``), but answers /retrieve with
+    ``server.status`` (500: an outage; 422: a server that cannot search) when a query is in ``server.failing``
+    (every query when it is None)."""
+
+    def do_GET(self):
+        self._answer(httpx.get(self.server.upstream.rsplit("/", 1)[0] + self.path))
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        failing = self.server.failing
+        if failing is None or failing & set(json.loads(body)["queries"]):
+            self._answer(httpx.Response(self.server.status, json={"detail": "queries[0]: cannot be searched"}))
+        else:
+            self._answer(httpx.post(self.server.upstream, content=body, headers={"content-type": "application/json"},
+                                    timeout=60))
+
+    def _answer(self, response: httpx.Response) -> None:
+        self.send_response(response.status_code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(response.content)))
+        self.end_headers()
+        self.wfile.write(response.content)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def faulty_retriever(retriever_url):
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), FaultyRetrieverProxy)
+    server.upstream, server.failing, server.status = retriever_url, set(), 500
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+def test_eval_stops_in_one_line_before_any_question_when_the_retriever_is_down(tiny_model_dir, two_source_questions,
+                                                                               tmp_path):
+    closed = f"http://127.0.0.1:{free_port()}/retrieve"
+
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: retrieval server not reachable at {closed} ")):
+        eval_cli.main(eval_args(tiny_model_dir, two_source_questions, tmp_path, "--num_samples", "1", "--methods",
+                                "rag", "--generator", "transformers", "--search_url", closed,
+                                "--search_max_retries", "0"))
+    assert (tmp_path / "traces.jsonl").read_text() == ""  # not one question asked
+
+
+def test_eval_stops_in_one_line_when_the_retriever_is_up_but_cannot_search(tiny_model_dir, two_source_questions,
+                                                                           faulty_retriever, tmp_path):
+    faulty_retriever.failing, faulty_retriever.status = None, 422  # every query, as an encoder of another width
+    url = f"http://127.0.0.1:{faulty_retriever.server_port}/retrieve"
+
+    with pytest.raises(SystemExit, match="^" + re.escape(
+            f"error: the retrieval server at {url} cannot search: a probe query got 422")):
+        eval_cli.main(eval_args(tiny_model_dir, two_source_questions, tmp_path, "--num_samples", "1", "--methods",
+                                "agent", "--generator", "transformers", "--search_url", url))
+    assert (tmp_path / "traces.jsonl").read_text() == ""  # not one question asked
+
+
+def test_eval_checks_every_checkpoints_generator_before_the_first_question(tiny_model_dir, two_source_questions,
+                                                                           tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: checkpoint '{missing}' cannot be loaded")):
+        eval_cli.main(["--checkpoints", str(tiny_model_dir), str(missing), "--data", two_source_questions,
+                       "--output_dir", str(tmp_path / "eval"), "--methods", "direct", "--num_samples", "1",
+                       "--generator", "transformers"])
+    assert (tmp_path / "eval" / "traces.jsonl").read_text() == ""  # not one question asked
+
+
+def test_traces_whose_search_failed_are_counted_not_scored_and_a_rerun_generates_them(tiny_model_dir,
+                                                                                      two_source_questions,
+                                                                                      faulty_retriever, tmp_path):
+    config = eval_cli.EvalConfig(checkpoints=[str(tiny_model_dir)], data=[two_source_questions], num_samples=2)
+    questions = [sample.question for _, sample in eval_cli.load_questions(config)]
+    faulty_retriever.failing = set(questions[:3])  # an outage during the first three searches
+    url = f"http://127.0.0.1:{faulty_retriever.server_port}/retrieve"
+    args = eval_args(tiny_model_dir, two_source_questions, tmp_path, "--num_samples", "2", "--methods", "rag",
+                     "--generator", "transformers", "--search_url", url, "--search_max_retries", "0",
+                     "--max_concurrency", "1")
+
+    with pytest.raises(SystemExit, match=r"^error: 3 traces have a failed search"):
+        eval_cli.main(args)
+
+    [row] = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert (row["search_failed"], row["num_samples"], row["status"]["error_search"]) == (3, 4, 0.75)
+    assert (tmp_path / "results.md").read_text().splitlines()[2].endswith("| 3 |")
+    first = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    failed = [t for t in first if t["status"] == "error_search"]
+    assert sorted(t["question"] for t in failed) == sorted(questions[:3]) and not any(t["em"] for t in failed)
+
+    faulty_retriever.failing = set()  # the retriever serves again
+    eval_cli.main(args)
+
+    traces = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    assert len(traces) == 4 + 3  # the three failed traces generated again, appended
+    assert all(t["status"] != "error_search" and t["searches"][0]["titles"] for t in traces[4:])
+    [row] = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert (row["search_failed"], row["num_samples"]) == (0, 4)

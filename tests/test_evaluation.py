@@ -9,9 +9,10 @@ import pytest
 
 from searchr1_trl import evaluation
 from searchr1_trl.engine.generation import Generation, Generator
-from searchr1_trl.engine.rollout import RolloutConfig
+from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine, RolloutStatus
 from searchr1_trl.search_r1.data import SearchR1Sample
-from searchr1_trl.search_r1.env import RESTATEMENT, SearchR1EnvConfig
+from searchr1_trl.search_r1.env import RESTATEMENT, SearchR1EnvConfig, SearchR1EnvFactory
+from searchr1_trl.search_r1.rubric import Rubric
 
 QUESTION = SearchR1Sample("Which NFL team represented the AFC at Super Bowl 50?", ("Denver Broncos",), "squad")
 
@@ -95,6 +96,52 @@ def test_summary_gives_em_overall_and_per_source_searches_and_status_fractions()
     assert (summary["status_done"], summary["status_truncated_max_turns"], summary["status_error_parse"]) == (
         pytest.approx(3 / 5), pytest.approx(1 / 5), pytest.approx(1 / 5))
     assert summary["num_samples"] == 5
+
+
+def test_a_trace_with_a_failed_search_is_counted_apart_and_left_out_of_the_em():
+    traces = [trace("nq", True, 1), trace("nq", False, 1, evaluation.SEARCH_FAILED), trace("hotpotqa", False, 1,
+                                                                                         evaluation.SEARCH_FAILED)]
+    summary = evaluation.summarize(traces)
+    assert (summary["em"], summary["em/nq"], summary["search_failed"]) == (1.0, 1.0, 2)
+    assert summary["em/hotpotqa"] != summary["em/hotpotqa"]  # NaN: no trace of it could be scored
+    assert summary["status_error_search"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("method_name", ["rag", "agent"])
+def test_a_search_the_retriever_does_not_answer_makes_a_failed_trace_not_a_wrong_answer(tokenizer, method_name):
+    from conftest import free_port
+
+    generator = ScriptedGenerator(tokenizer)
+    closed = f"http://127.0.0.1:{free_port()}/retrieve"  # nothing listens: every attempt is refused
+    method = evaluation.build_method(method_name, tokenizer, generator,
+                                     SearchR1EnvConfig(search_url=closed, max_retries=0), RolloutConfig(max_turns=3))
+
+    [failed] = asyncio.run(evaluation.run(method, [QUESTION], evaluation.greedy_params(64)))
+
+    assert (failed.status, failed.em, failed.searches[0]["failed"], failed.searches[0]["titles"]) == (
+        evaluation.SEARCH_FAILED, False, True, [])
+
+
+def test_a_rollout_whose_searches_all_failed_ends_error_tool_counted_and_without_reward(tokenizer):
+    from conftest import free_port
+
+    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=f"http://127.0.0.1:{free_port()}/retrieve", max_retries=0))
+    engine = RolloutEngine(tokenizer, ScriptedGenerator(tokenizer), env, RolloutConfig(max_turns=3))
+
+    async def main():
+        try:
+            return await engine.rollout(QUESTION, evaluation.greedy_params(64))
+        finally:
+            await env.aclose()
+
+    rollout = asyncio.run(main())
+
+    # Not "done" after reading an empty result: the outage ends it, before the model answers from nothing.
+    assert (rollout.status, rollout.num_turns, rollout.messages[-1]["role"]) == (
+        RolloutStatus.ERROR_TOOL, 1, "assistant")
+    counts = env.metrics()
+    assert (counts["search/failed_steps"], counts["search/failures"], counts["search/searches"]) == (1, 1, 1)
+    assert Rubric().score(rollout) is None  # TRL: no advantage, and out of its group's baseline
 
 
 def test_passage_titles_keep_parentheses_inside_a_title():

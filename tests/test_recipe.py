@@ -123,6 +123,69 @@ def test_a_gpu_recipe_on_a_machine_without_cuda_stops_in_one_line_naming_the_nee
     check_machine(recipe, {"bf16": True, "use_cpu": True, "weight_sync": "reload"})  # forced onto the CPU
 
 
+def train_error(*argv: str) -> str:
+    """The one line searchr1-train stops with (it must stop before any server is asked)."""
+    with pytest.raises(SystemExit) as stop:
+        train_main(list(argv))
+    message = str(stop.value.code)
+    assert message.startswith("error: ") and "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ("learning_rate: [1, 2]", "{recipe}: learning_rate: expected a number, got a list [1, 2]"),
+    ("max_turns: -1", "expected max_turns >= 1, max_rollout_tokens >= 2 and step_timeout_s > 0, got -1"),
+    ("max_turns: 2.5", "{recipe}: max_turns: expected an integer, got a number 2.5"),
+    ("restate_question: 3", "{recipe}: restate_question: expected true or false, got an integer 3"),
+    ("max_turns: [1", "{recipe}: not valid YAML at line 3, column 1: expected ',' or ']', but got '<stream end>' "
+                      "(while parsing a flow sequence at line 2)"),
+])
+def test_a_bad_recipe_value_or_yaml_stops_training_in_one_line_naming_file_and_field(extra, expected, tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(f"model_name_or_path: Qwen/Qwen3-1.7B\n{extra}\n")
+
+    assert expected.format(recipe=recipe) in train_error("--config", str(recipe), "--use_cpu", "true")
+
+
+@pytest.mark.parametrize(("text", "kind"), [("- a\n- b\n", "list"), ("hello\n", "str")])
+def test_a_recipe_that_is_no_mapping_says_a_recipe_must_be_one(text, kind, tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(text)
+
+    assert train_error("--config", str(recipe)) == (
+        f"error: {recipe}: a recipe is a mapping of field: value, got a YAML {kind}")
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda q: q.drop(columns=["golden_answers"]), "missing column(s) golden_answers; found"),
+    (lambda q: q.rename(columns={"question": "query"}), "missing column(s) question; found"),
+    (lambda q: q.assign(golden_answers=[[]] * len(q)), "row 0: golden_answers is empty"),
+    (lambda q: q.assign(golden_answers=[None] * len(q)), "row 0: golden_answers must be a string or a list of "
+                                                        "strings, got None"),
+    (lambda q: q.assign(golden_answers=[3] * len(q)), "row 0: golden_answers must be a string or a list of strings, "
+                                                     "got 3"),
+    (lambda q: q.assign(question=[None, *q.question[1:]]), "row 0: question must be a non-empty string, got"),
+    (lambda q: q.assign(question=[float("nan"), *q.question[1:]]), "row 0: question must be a non-empty string, "
+                                                                   "got nan"),
+    (lambda q: q.assign(golden_answers=[[""], *q.golden_answers[1:]]), "row 0: golden_answers holds an empty "
+                                                                       "answer (['']); expected non-empty strings"),
+    (None, "not a readable parquet file"),
+])
+def test_a_bad_data_file_stops_training_in_one_line_naming_file_row_and_field(change, expected, offline_assets,
+                                                                               tmp_path):
+    import pandas as pd
+
+    data = tmp_path / "train.parquet"
+    if change is None:
+        data.write_text("question,golden_answers\n")  # a CSV under a parquet name
+    else:
+        change(pd.read_parquet(offline_assets.test_questions).head(8)).to_parquet(data)
+
+    message = train_error("--config", "offline", "--train_data_path", str(data))
+
+    assert message.startswith(f"error: train_data_path: {data}: ") and expected in message
+
+
 def test_recipe_values_are_the_yaml_with_the_command_line_on_top_typed_and_unchecked():
     # bf16 on a machine without a GPU: TrainingArguments would refuse it; the values are read all the same.
     values = recipe_values(["--config", "qwen3_8b", "--bf16=false", "--max_steps", "3", "--use_cpu"])
@@ -144,8 +207,52 @@ def test_plan_names_a_missing_data_file_and_unreachable_servers(tmp_path):
         validate_plan(args, model_args, check_machine=False)
     args, model_args = parse_recipe("qwen3_1_7b", "--weight_sync", "reload", "--search_url",
                                     "http://127.0.0.1:9/retrieve")
-    with pytest.raises(PlanError, match=r"retrieval server not reachable at http://127\.0\.0\.1:9/health"):
+    with pytest.raises(PlanError, match=r"retrieval server not reachable at http://127\.0\.0\.1:9/retrieve"):
         validate_plan(args, model_args)
+
+
+def test_plan_refuses_a_retriever_that_is_healthy_but_cannot_search():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class CannotSearch(BaseHTTPRequestHandler):  # a fault on purpose: an encoder of another width behind an old /health
+        def do_GET(self):
+            self._answer(200, b'{"status": "ok"}')
+
+        def do_POST(self):
+            self._answer(422, b'{"detail": "queries[0]: cannot be searched (RuntimeError: mat1 and mat2 shapes)"}')
+
+        def _answer(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CannotSearch)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/retrieve"
+    args, model_args = parse_recipe("qwen3_1_7b", "--weight_sync", "reload", "--search_url", url)
+    try:
+        with pytest.raises(PlanError, match=rf"the retrieval server at {url} cannot search: a probe query got 422"):
+            validate_plan(args, model_args)
+    finally:
+        server.shutdown()
+
+
+def test_plan_refuses_a_weight_sync_folder_holding_files_a_push_did_not_write(tmp_path):
+    folder = tmp_path / "my_checkpoints"
+    folder.mkdir()
+    (folder / "model.safetensors").write_text("the user's, not ours")
+    args, model_args = parse_recipe("qwen3_1_7b", "--weight_sync", "reload", "--weight_sync_dir", str(folder))
+
+    with pytest.raises(PlanError, match=rf"weight_sync_dir {folder} holds files this trainer did not write "
+                                        r"\(model\.safetensors\)"):
+        validate_plan(args, model_args, check_machine=False)
+    (folder / ".searchr1_weight_sync").write_text("")  # a folder a push wrote is fine: the next push replaces it
+    validate_plan(args, model_args, check_machine=False)
 
 
 def test_plan_waits_for_a_vllm_server_that_is_starting_up_until_vllm_server_timeout():

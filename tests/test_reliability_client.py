@@ -26,7 +26,8 @@ from searchr1_trl.search_r1.retrieval import RetrievalClient, RetrievalConfig
 class FaultyRetriever:
     """A /retrieve server whose n-th request gets ``script[n]`` ("ok" once the script is empty):
 
-    "ok" (one passage per query), "500", "429", "garbage" (not JSON), "wrong shape", "hang" (answers nothing for 30 s),
+    "ok" (one passage per query), "500", "429", "garbage" (not JSON), "wrong shape", "cannot search" (a 422 of a server
+    whose encoder does not fit its index), "bad request" (a 422 naming a field), "hang" (answers nothing for 30 s),
     "drip" (a valid answer, one byte every 0.1 s), "huge" (a valid answer of 2 MB), "odd text" (a passage of 10,000
     characters holding a lone surrogate escape).
     """
@@ -47,6 +48,9 @@ class FaultyRetriever:
                 status, payload = {
                     "500": (500, b"internal error"), "429": (429, b"slow down"), "garbage": (200, b"<html>"),
                     "wrong shape": (200, b'{"result": []}'),
+                    "cannot search": (422, b'{"detail": "queries[0]: cannot be searched (RuntimeError: mat1 and '
+                                           b'mat2 shapes cannot be multiplied)"}'),
+                    "bad request": (422, b'{"detail": "topk: expected an integer in [1, 100], got 0"}'),
                     "huge": (200, json.dumps({"result": [[{"contents": "T\n" + "x" * (2 << 20)}]]}).encode()),
                     "odd text": (200, b'{"result": [[{"contents": "T\\nbad \\ud800 ' + b"y" * 10_000 + b'"}]]}'),
                 }.get(behaviour, (200, ok))
@@ -106,7 +110,7 @@ def client_for(url: str, **overrides) -> RetrievalClient:
     return RetrievalClient(RetrievalConfig(search_url=url, topk=1, retry_backoff_s=0.01, **overrides))
 
 
-@pytest.mark.parametrize("behaviour", ["500", "429", "garbage", "wrong shape", "hang", "drip"])
+@pytest.mark.parametrize("behaviour", ["500", "429", "garbage", "wrong shape", "cannot search", "hang", "drip"])
 def test_one_faulty_answer_is_retried_within_the_time_budget(fault, behaviour):
     fault.script = [behaviour]
 
@@ -114,6 +118,18 @@ def test_one_faulty_answer_is_retried_within_the_time_budget(fault, behaviour):
 
     assert result == "Doc 1(Title: T) about Eiffel Tower"
     assert fault.requests == 2 and seconds < 3.0, seconds
+
+
+def test_a_server_that_cannot_search_is_an_outage_retried_and_counted_and_a_bad_request_is_not_retried(fault):
+    fault.script = ["cannot search"] * 3
+    client = client_for(fault.url, max_retries=2)
+
+    [result], _ = search(client, "Eiffel Tower")
+
+    assert (result, fault.requests, client.metrics()["search/failures"]) == ("", 3, 1)  # every attempt, then failed
+    fault.script, fault.requests = ["bad request"], 0
+    [result], _ = search(client_for(fault.url, max_retries=2), "Eiffel Tower")
+    assert (result, fault.requests) == ("", 1)  # the same request would be refused again
 
 
 def test_a_dripping_server_is_cut_off_at_timeout_s_not_at_each_byte(fault):
@@ -206,3 +222,34 @@ def test_searches_survive_a_retriever_killed_mid_batch_and_restarted(retriever_s
     assert restarted["outage_s"] >= 3  # a real restart: loading the encoder and index again
     assert "" not in results and all(r.startswith("Doc 1(Title: ") for r in results)
     assert metrics["search/failures"] == 0 and metrics["search/requests"] > 2
+
+
+def test_rollouts_through_an_outage_longer_than_the_retry_budget_end_error_tool_unrewarded(tokenizer,
+                                                                                           reliability_figures):
+    from test_evaluation import QUESTION, ScriptedGenerator
+
+    from searchr1_trl.engine.generation import SamplingParams
+    from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
+    from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
+    from searchr1_trl.search_r1.rubric import Rubric
+
+    refused = f"http://127.0.0.1:{free_port()}/retrieve"  # nothing listens: every attempt is refused
+    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=refused, max_retries=3, retry_backoff_s=0.01))
+    engine = RolloutEngine(tokenizer, ScriptedGenerator(tokenizer), env, RolloutConfig(max_turns=3))
+
+    async def main():
+        try:
+            return await engine.run([QUESTION] * 8, SamplingParams.greedy(max_tokens=64))
+        finally:
+            await env.aclose()
+
+    rollouts = asyncio.run(main())
+
+    statuses = [r.status.value for r in rollouts]
+    rewards = [Rubric().score(r) for r in rollouts]
+    counts = env.metrics()
+    reliability_figures["outage_rollouts"] = {"rollouts": len(rollouts), "done": statuses.count("done"),
+                                              "error_tool": statuses.count("error_tool"),
+                                              "rewarded": sum(r is not None for r in rewards)}
+    assert statuses == ["error_tool"] * 8 and rewards == [None] * 8
+    assert (counts["search/failures"], counts["search/failed_steps"]) == (8, 8)

@@ -37,6 +37,27 @@ def test_recipe_commands_bind_servers_to_loopback_or_a_named_private_address_and
     assert any("collective_rpc" in line for line in header)  # why
 
 
+def _shell_commands(text: str) -> list[str]:
+    """The lines of ``text``, continuation lines (after a trailing backslash) joined to theirs."""
+    return re.sub(r"\\\n\s*", " ", text).splitlines()
+
+
+def test_every_vllm_serve_command_in_the_docs_and_scripts_binds_loopback_or_a_named_address():
+    files = [p for pattern in ("*.md", "docs/**/*.md", "scripts/*.sh", "benchmarks/*.sh") for p in ROOT.glob(pattern)]
+    commands = [(p.name, line) for p in files for line in _shell_commands(p.read_text())
+                if re.search(r"vllm-serve --", line)]
+
+    unbound = [(name, line) for name, line in commands if not re.search(r"--host (127\.0\.0\.1|\$|\"\$)", line)]
+    assert commands and unbound == []
+
+
+def test_the_error_for_a_missing_vllm_server_gives_a_command_bound_to_loopback():
+    from searchr1_trl.evaluation import check_generator
+
+    with pytest.raises(ValueError, match=r"start `trl vllm-serve --model m --host 127\.0\.0\.1`"):
+        check_generator("vllm", "m", f"http://127.0.0.1:{free_port()}")
+
+
 PARENT = textwrap.dedent("""
     import json, sys, time
     from retriever_server.launch import RetrieverProcess

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+from pathlib import Path
 
 import faiss
 import numpy as np
@@ -15,7 +16,9 @@ import pytest
 from retriever_server.build_index import BuildConfig, build, shards_dir
 from retriever_server.encoder import Encoder, EncoderConfig
 from retriever_server.index import Corpus, IndexConfig, SearchConfig, TorchFlatIndex, load_index, new_index
-from retriever_server.retriever import Retriever
+from retriever_server.retriever import MismatchError, Retriever, meta_path
+from retriever_server.server import main as serve
+from retriever_server.server import probe
 
 
 @pytest.mark.parametrize(("model", "name", "pooling", "query_prefix", "passage_prefix"), [
@@ -155,6 +158,111 @@ def test_retriever_refuses_an_index_built_from_another_corpus(built):
 
     with pytest.raises(ValueError, match="index has 3 vectors but the corpus has 24 passages"):
         Retriever(encoder, index, Corpus.load(config.corpus_path))
+
+
+@pytest.fixture
+def refusal(built, monkeypatch):
+    """``refusal(*flags)``: the one-line message the server exits with when started on the built index with
+    ``flags`` replacing the built ones (a server that would start instead fails the test, unbound)."""
+    config, encoder_config = built
+    monkeypatch.setattr("retriever_server.server.uvicorn.run", lambda *a, **k: pytest.fail("the server started"))
+
+    def start(*flags: str) -> str:
+        given = dict(zip(flags[::2], flags[1::2], strict=True))
+        defaults = {"--index_path": config.index_path, "--corpus_path": config.corpus_path,
+                    "--retriever_model": encoder_config.retriever_model}
+        with pytest.raises(SystemExit) as exit_:
+            serve([item for pair in {**defaults, **given}.items() for item in pair])
+        message = str(exit_.value.code)
+        assert message.startswith("error: ") and "\n" not in message
+        return message
+
+    return start
+
+
+def random_encoder(offline_assets, folder, width: int) -> str:
+    """A randomly initialised one-layer BERT of ``width`` with the offline embedder's tokenizer, saved to
+    ``folder``: a real encoder that is not the one the index was built with."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(offline_assets.embedder)
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=width, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=2 * width)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_the_server_refuses_a_corpus_of_as_many_passages_other_than_the_index_was_built_from(
+        refusal, squad_dev_sample, tmp_path):
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(row) + "\n" for row in squad_dev_sample[0][24:48]))
+
+    message = refusal("--corpus_path", str(other))
+
+    assert f"--corpus_path {other} is not the corpus the index" in message and "same 24 passages" in message
+
+
+def test_the_server_refuses_a_corpus_of_another_size(refusal, squad_dev_sample, tmp_path):
+    other = tmp_path / "longer.jsonl"
+    other.write_text("".join(json.dumps(row) + "\n" for row in squad_dev_sample[0][:30]))
+
+    assert f"--corpus_path {other} holds 30 passages but the index" in refusal("--corpus_path", str(other))
+
+
+@pytest.mark.parametrize(("width", "expected"), [
+    (64, "built with 384-dimensional embeddings but --retriever_model"),
+    (384, "embeds a probe passage at cosine"),
+])
+def test_the_server_refuses_an_encoder_of_another_width_or_other_weights(refusal, offline_assets, tmp_path, width,
+                                                                         expected):
+    encoder = random_encoder(offline_assets, tmp_path / "all-MiniLM-L6-v2", width)  # same name, other model
+
+    assert expected in refusal("--retriever_model", encoder)
+
+
+def test_the_server_refuses_other_encoder_settings_naming_the_flag(refusal):
+    assert "built with pooling='mean' but the server encodes with pooling='cls'; pass --pooling 'mean'" in refusal(
+        "--pooling", "cls")
+
+
+def test_a_sidecar_of_an_older_build_is_read_and_its_count_and_width_still_checked(built, offline_assets, tmp_path,
+                                                                                   caplog):
+    config, encoder_config = built
+    index = tmp_path / "old.faiss"
+    index.write_bytes(Path(config.index_path).read_bytes())
+    old = json.loads(meta_path(config.index_path).read_text())
+    meta_path(str(index)).write_text(json.dumps({k: old[k] for k in ("encoder", "index", "passages", "corpus_path")}))
+
+    retriever = Retriever.from_paths(str(index), config.corpus_path, encoder_config, SearchConfig())
+
+    assert len(retriever.corpus) == 24 and "predates corpus fingerprints" in caplog.text
+    narrow = EncoderConfig(retriever_model=random_encoder(offline_assets, tmp_path / "narrow", 64))
+    with pytest.raises(MismatchError, match="holds 384-dimensional vectors but --retriever_model"):
+        Retriever.from_paths(str(index), config.corpus_path, narrow, SearchConfig())
+
+
+class _BrokenIndex:
+    """A fault on purpose: an index whose every search raises, as a broken GPU or a corrupt file would."""
+
+    ntotal, d = 24, 384
+
+    def search(self, vectors, k):
+        raise RuntimeError("device lost")
+
+
+def test_a_server_that_cannot_answer_a_probe_query_does_not_start(built):
+    config, encoder_config = built
+    retriever = Retriever(Encoder(encoder_config), _BrokenIndex(), Corpus.load(config.corpus_path))
+
+    with pytest.raises(ValueError, match="a probe query fails, so no query could be answered: RuntimeError: device"):
+        probe(retriever)
+
+
+def test_a_server_without_its_index_file_exits_in_one_line(refusal, tmp_path):
+    assert refusal("--index_path", str(tmp_path / "missing.faiss")) == (
+        f"error: {tmp_path / 'missing.faiss'} does not exist or is no file")
 
 
 def fp16_vectors_and_unit_queries(seed: int, rows: int, batch: int, dim: int = 32):

@@ -153,6 +153,16 @@ def test_an_errored_rollout_is_scored_on_its_messages():
     assert Rubric().score(rollout(SEARCHED_THEN_PARIS, RolloutStatus.ERROR_TIMEOUT)) == 1.0
 
 
+def test_a_rollout_the_retriever_did_not_answer_gets_no_reward_so_trl_gives_it_no_advantage():
+    rubric = Rubric([RewardExactMatch(LEVERS)], truncation_reward=-0.5)
+    metrics = {}
+
+    rewards = rubric([None] * 2, [None] * 2, log_metric=metrics.__setitem__,
+                     rollout=[rollout(SEARCHED_THEN_PARIS, "error_tool"), rollout(SEARCHED_THEN_PARIS)])
+
+    assert rewards == [None, 1.0] and metrics["rubric/unscored_tool_failures"] == 0.5
+
+
 def test_rubric_sums_weighted_reward_functions():
     def says_paris(prompts, completions, *, messages, golden_answers, status=None, **kwargs):
         return [float("paris" in (final_answer(m) or "").lower()) for m in messages]
@@ -191,7 +201,7 @@ def test_rubric_is_a_trl_reward_function_that_logs_its_parts():
     assert rewards == pytest.approx([1.0, 0.0, 0.8, 0.1])
     # correct: plain EM of the final answers, whatever the levers and the truncation make of them
     assert logged == [("rubric/correct", pytest.approx(3 / 4)), ("rubric/exact_match", pytest.approx(2.9 / 4)),
-                      ("rubric/truncated", pytest.approx(1 / 4))]
+                      ("rubric/truncated", pytest.approx(1 / 4)), ("rubric/unscored_tool_failures", 0.0)]
     assert rubric.__name__ == "rubric"
 
 

@@ -360,3 +360,19 @@ def test_validation_is_the_agent_method_of_the_evaluation_module(tiny_model_dir,
     expected = {f"eval_{key}": value for key, value in evaluation.summarize(traces).items()}
     assert {key: value for key, value in metrics.items() if key not in ("eval_runtime", "epoch")} == expected
     assert trainer.state.log_history[-1]["eval_em"] == expected["eval_em"]
+
+
+def test_training_stops_in_one_line_when_more_than_the_allowed_fraction_of_a_steps_searches_fail():
+    from types import SimpleNamespace
+
+    from searchr1_trl.trainer import SearchOutage
+
+    trainer = SimpleNamespace(args=SimpleNamespace(max_failed_search_fraction=0.5, search_url="http://r:8000/retrieve"),
+                              state=SimpleNamespace(global_step=6))
+    SearchR1Trainer._stop_on_search_outage(trainer, 4, 8)  # half failed: allowed
+    SearchR1Trainer._stop_on_search_outage(trainer, 0, 0)  # a step without searches
+    with pytest.raises(SearchOutage) as stop:
+        SearchR1Trainer._stop_on_search_outage(trainer, 5, 8)
+    assert str(stop.value).startswith("5 of 8 searches of step 7 failed, more than max_failed_search_fraction=0.5: "
+                                      "the retriever at http://r:8000/retrieve does not answer")
+    assert "\n" not in str(stop.value)

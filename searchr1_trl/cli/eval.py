@@ -23,6 +23,12 @@ a crash and only the missing ones are generated. The table holds every checkpoin
 this sample, so checkpoints served one at a time (one vLLM server each) end up in one table; ``settings.json``
 refuses a rerun whose sample seed or policy settings differ (its traces would not be comparable).
 
+A retriever outage is never a result: before the first question the retriever (``/health`` and a probe query, when
+a method searches) and every checkpoint's generator are checked, and the run stops in one line if one fails. A
+trace with a search the retriever did not answer is written with status ``error_search``, left out of the EM,
+counted in the table's ``failed searches`` column and generated again by a rerun; the run exits non-zero while any
+remain.
+
 Generators: ``vllm`` posts to a running ``trl vllm-serve`` that serves the checkpoint (one checkpoint per URL in
 ``vllm_server_base_url``); ``transformers`` loads each checkpoint in-process (GPU if there is one; a LoRA checkpoint,
 such as the CPU recipe's, loads with its base model).
@@ -43,6 +49,7 @@ from pathlib import Path
 from searchr1_trl import evaluation
 from searchr1_trl.recipe import knob_fields, part_config
 from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
+from searchr1_trl.search_r1.retrieval import check_retriever
 
 # The recipe's env, rollout and per-turn fields, with its names, defaults and help: the agent runs as it trained.
 PolicyConfig = knob_fields("PolicyConfig", ("env", "rollout", "sampling"))
@@ -192,13 +199,32 @@ def _check_settings(path: Path, settings: dict) -> None:
 # ---- generation ------------------------------------------------------------------------------------------------
 
 
-def make_generator(config: EvalConfig, checkpoint: str, index: int, tokenizer):
-    """The generator of one checkpoint (for ``vllm``, the server in ``vllm_server_base_url`` at its position)."""
+def generator_url(config: EvalConfig, index: int) -> str | None:
+    """The vLLM server of checkpoint ``index`` (its position in ``vllm_server_base_url``); None for transformers."""
     urls = config.vllm_server_base_url
-    if config.generator == "vllm" and len(urls) != len(config.checkpoints):
+    if config.generator != "vllm":
+        return None
+    if len(urls) != len(config.checkpoints):
         raise ValueError(f"generator=vllm serves one model per server: give one vllm_server_base_url per "
                          f"checkpoint ({len(config.checkpoints)}), got {len(urls)}; or use generator=transformers")
-    return evaluation.policy_generator(config.generator, checkpoint, tokenizer, url=urls[index] if urls else None,
+    return urls[index]
+
+
+def check_services(config: EvalConfig, policy, pending: list[dict[str, list]]) -> None:
+    """ValueError naming the first part that cannot serve the run, before any question is asked: the retriever
+    (health and a probe query) if a method with traces to generate searches, and the generator of every checkpoint
+    with traces to generate (``pending[i]``: checkpoint i's missing traces by method). Without it, a retriever that
+    was down turned every search into a finished trace with no passages."""
+    if any(todo for work in pending for method, todo in work.items() if method != "direct"):
+        check_retriever(policy.search_url, policy.topk)
+    for index, checkpoint in enumerate(config.checkpoints):
+        if any(pending[index].values()):
+            evaluation.check_generator(config.generator, checkpoint, generator_url(config, index))
+
+
+def make_generator(config: EvalConfig, checkpoint: str, index: int, tokenizer):
+    """The generator of one checkpoint (for ``vllm``, the server in ``vllm_server_base_url`` at its position)."""
+    return evaluation.policy_generator(config.generator, checkpoint, tokenizer, url=generator_url(config, index),
                                        dtype=config.dtype, max_concurrency=config.max_concurrency)
 
 
@@ -226,24 +252,31 @@ def results(records: list[dict], methods: list[str]) -> list[dict]:
                 "turns_per_rollout": summary["turns_per_rollout"],
                 "status": {k.removeprefix("status_"): v for k, v in summary.items() if k.startswith("status_")},
                 "num_samples": summary["num_samples"],
+                "search_failed": summary["search_failed"],
             })
     return rows
 
 
 def markdown_table(rows: list[dict], per_source: dict[str, int]) -> str:
-    """Rows method x checkpoint, columns the data sources and their average (EM, 3 decimals)."""
+    """Rows method x checkpoint, columns the data sources and their average (EM, 3 decimals), and the traces with a
+    failed search, which the EM leaves out (a rerun generates them again)."""
     sources = sorted(per_source)
     header = ["method", "checkpoint", *(f"{s} (n={per_source[s]})" for s in sources), "average",
-              "searches / rollout"]
+              "searches / rollout", "failed searches"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in rows:
         cells = [row["method"], f"`{row['checkpoint']}`", *(f"{row['em'].get(s, float('nan')):.3f}" for s in sources),
-                 f"**{row['average']:.3f}**", f"{row['searches_per_rollout']:.2f}"]
+                 f"**{row['average']:.3f}**", f"{row['searches_per_rollout']:.2f}", str(row["search_failed"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 # ---- main ------------------------------------------------------------------------------------------------------
+
+
+def _finished(record: dict | None) -> bool:
+    """Whether a trace on disk stands: written, and none of its searches failed (those are generated again)."""
+    return record is not None and record["status"] != evaluation.SEARCH_FAILED
 
 
 def trace_record(key: str, checkpoint: str, trace: evaluation.Trace) -> dict:
@@ -294,14 +327,14 @@ def evaluate(config: EvalConfig, policy) -> list[dict]:
     _check_settings(out / SETTINGS_FILE, {"sample_seed": config.sample_seed, **asdict(policy)})
     traces = TraceFile(out / TRACES_FILE)
     try:
+        pending = [{m: [(k, s) for k, s in questions if not _finished(traces.records.get((checkpoint, m, k)))]
+                    for m in config.methods} for checkpoint in config.checkpoints]
+        check_services(config, policy, pending)
         for index, checkpoint in enumerate(config.checkpoints):
-            pending = {m: [(k, s) for k, s in questions if (checkpoint, m, k) not in traces.records]
-                       for m in config.methods}
-            if not any(pending.values()):
+            if not any(pending[index].values()):
                 logger.info("%s: every trace is already in %s", checkpoint, traces.path)
                 continue
-            asyncio.run(_evaluate_checkpoint(config, policy, index, pending, len(questions),
-                                             traces))
+            asyncio.run(_evaluate_checkpoint(config, policy, index, pending[index], len(questions), traces))
     finally:
         traces.close()
     keys = {key for key, _ in questions}
@@ -336,6 +369,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(config.output_dir)
     print((out / RESULTS_MD).read_text(), end="")
     print(f"{len(rows)} rows; traces, JSON and table in {out}")
+    failed = sum(row["search_failed"] for row in rows)
+    if failed:
+        sys.exit(f"error: {failed} traces have a failed search (the retriever did not answer) and are not scored; "
+                 "rerun the same command once it serves again to generate them")
 
 
 if __name__ == "__main__":

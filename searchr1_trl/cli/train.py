@@ -51,7 +51,7 @@ def train(args, model_args) -> None:
     from trl import get_peft_config
 
     from searchr1_trl.recipe import build_task
-    from searchr1_trl.trainer import SearchR1Trainer
+    from searchr1_trl.trainer import SearchOutage, SearchR1Trainer
     from searchr1_trl.warm_start import warm_start
 
     args.model_init_kwargs = {
@@ -62,7 +62,10 @@ def train(args, model_args) -> None:
     if args.warm_start_traces and not args.resume_from_checkpoint:  # a resumed run's checkpoint has its weights
         model_args.model_name_or_path = warm_start(args, model_args, build_task(args))
     trainer = SearchR1Trainer(model=model_args.model_name_or_path, args=args, peft_config=get_peft_config(model_args))
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    except SearchOutage as error:
+        sys.exit(f"error: {error}")
     evaluated_last_step = any(e.get("step") == trainer.state.global_step and "eval_em" in e
                               for e in trainer.state.log_history)
     if trainer.eval_samples and not evaluated_last_step:

@@ -24,6 +24,8 @@ Budgets, checked in this order every turn, decide how a rollout ends (:class:`Ro
 - the assistant message cannot be parsed (malformed tool-call JSON; the rules: :mod:`searchr1_trl.engine.parsing`) ->
   ``ERROR_PARSE``;
 - ``env.step`` takes longer than ``step_timeout_s`` -> ``ERROR_TIMEOUT``;
+- the environment says its tools did not answer the step (``EnvStep.tool_failed``: the service behind them is down)
+  -> ``ERROR_TOOL``;
 - the environment is done -> ``DONE``;
 - it wants another turn but ``max_turns`` turns were generated -> ``TRUNCATED_MAX_TURNS`` (a last turn with tool
   calls ends so without ``env.step``: no turn is left to read the results, so they are not computed; TRL's tool loop
@@ -59,6 +61,7 @@ class RolloutStatus(str, enum.Enum):
     TRUNCATED_LENGTH = "truncated_length"
     ERROR_PARSE = "error_parse"
     ERROR_TIMEOUT = "error_timeout"
+    ERROR_TOOL = "error_tool"
 
     @property
     def truncated(self) -> bool:
@@ -76,6 +79,9 @@ class EnvStep:
 
     messages: list[dict]  # environment messages to append, e.g. [{"role": "tool", "name": "search", "content": "..."}]
     done: bool  # True: the assistant message was the final answer; messages is then []
+    # True: the step's tools did not answer (their service is down, not the model's doing): the rollout ends as
+    # ERROR_TOOL, so nothing is trained on turns that read an outage as "no results".
+    tool_failed: bool = False
 
 
 class MessageEnv(abc.ABC):
@@ -245,7 +251,9 @@ class RolloutEngine:
                 break
             finally:
                 timings["env_s"] += time.perf_counter() - clock
-            if step.done:
+            if step.tool_failed:
+                status = RolloutStatus.ERROR_TOOL
+            elif step.done:
                 status = RolloutStatus.DONE
             elif num_turns >= self.config.max_turns:
                 status = RolloutStatus.TRUNCATED_MAX_TURNS

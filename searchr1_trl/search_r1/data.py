@@ -79,6 +79,9 @@ def _golden_answers(value: Any, row: int, path: str) -> tuple[str, ...]:
         raise ValueError(f"{path}: row {row}: golden_answers must be a string or a list of strings, got {value!r}")
     if len(answers) == 0:
         raise ValueError(f"{path}: row {row}: golden_answers is empty; every question needs at least one answer")
+    if not all(a.strip() for a in answers):
+        raise ValueError(f"{path}: row {row}: golden_answers holds an empty answer ({list(answers)!r}); expected "
+                         "non-empty strings (no answer can ever match an empty one)")
     return tuple(answers)
 
 

@@ -11,8 +11,10 @@ the same passages pasted into the prompt; ``benchmarks/probes/answer_formats.py`
 
 Each rollout has its own :class:`SearchR1Env`, which holds its sample (the restatement reads the question from it,
 not from the prompt); :class:`SearchR1EnvFactory` builds them around what they share: one pooled, batching,
-retrying :class:`~searchr1_trl.search_r1.retrieval.RetrievalClient` and the counters. A search that fails gives the
-model an empty result and is counted in :meth:`SearchR1EnvFactory.metrics`.
+retrying :class:`~searchr1_trl.search_r1.retrieval.RetrievalClient` and the counters. A search the retriever did
+not answer, all retries spent, is an outage, not "no hits": when every search of a step failed the step says so
+(``EnvStep.tool_failed``) and the rollout ends as ``error_tool``, out of the loss; a failed search beside answered
+ones gets an empty result. Both are counted in :meth:`SearchR1EnvFactory.metrics`.
 
 Malformed calls are answered, not raised: arguments that are not a JSON object with a non-empty string ``query``
 (whether they arrive as a dict or a JSON string) send nothing and get :data:`EMPTY_QUERY_MESSAGE`; a call of any
@@ -106,8 +108,11 @@ class SearchR1Env(MessageEnv):
             return EnvStep(messages=[], done=True)
         restate = self.factory.config.restate_question
         restatement = RESTATEMENT.format(question=self.sample.question) if restate else ""
-        tool_messages = await asyncio.gather(*(self.factory.run_tool_call(call, restatement) for call in calls))
-        return EnvStep(messages=list(tool_messages), done=False)
+        answers = await asyncio.gather(*(self.factory.run_tool_call(call, restatement) for call in calls))
+        searched = [failed for _, failed in answers if failed is not None]
+        outage = bool(searched) and all(searched)
+        self.factory.count("failed_steps", outage)
+        return EnvStep(messages=[message for message, _ in answers], done=False, tool_failed=outage)
 
 
 class SearchR1EnvFactory(EnvFactory):
@@ -122,17 +127,20 @@ class SearchR1EnvFactory(EnvFactory):
     def __call__(self) -> SearchR1Env:
         return SearchR1Env(self)
 
-    async def run_tool_call(self, call: dict, restatement: str) -> dict:
-        """The tool message answering one call; ``restatement`` (if any) follows the passages of a search."""
+    async def run_tool_call(self, call: dict, restatement: str) -> tuple[dict, bool | None]:
+        """The tool message answering one call (``restatement``, if any, follows the passages of a search), and
+        whether its search failed (None: nothing was searched)."""
         function = call.get("function") or {}
         name = function.get("name")
         # What the model wrote, as text the chat template can render (str() of deep nesting would recurse).
         shown = valid_text(name)[:200] if isinstance(name, str) else f"<{type(name).__name__}>"
+        failed = None
         if name != SEARCH_TOOL_NAME:
             self._counts["unknown_tool_calls"] += 1
             content = f'Error: unknown tool {shown!r}; the only tool is "{SEARCH_TOOL_NAME}".'
         elif query := _query_from_arguments(function.get("arguments")):
             content = await self.retrieval.search(query)
+            failed = not content
             if content and restatement:
                 content = f"{content}\n\n{restatement}"
         else:
@@ -141,7 +149,11 @@ class SearchR1EnvFactory(EnvFactory):
         tool_message = {"role": "tool", "name": shown, "content": content}
         if isinstance(call.get("id"), str) and call["id"]:
             tool_message["tool_call_id"] = valid_text(call["id"])
-        return tool_message
+        return tool_message, failed
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the counter ``name`` of :meth:`metrics` (what the rollouts' envs report)."""
+        self._counts[name] += n
 
     def metrics(self) -> dict[str, float]:
         counts, self._counts = self._counts, Counter()
@@ -149,6 +161,7 @@ class SearchR1EnvFactory(EnvFactory):
             **self.retrieval.metrics(),
             "search/empty_queries": counts["empty_queries"],
             "search/unknown_tool_calls": counts["unknown_tool_calls"],
+            "search/failed_steps": counts["failed_steps"],
         }
 
     async def aclose(self) -> None:

@@ -3,7 +3,8 @@
 Retrieval goes through one pooled ``httpx.AsyncClient`` per :class:`RetrievalClient`. Searches issued in the same
 event-loop instant (the calls of one turn, and the turns of every concurrent rollout that reaches a search together)
 are sent as one request, so the retriever embeds them in one batch. A request that times out, fails to connect,
-gets a 5xx/429 or an unreadable body is retried up to ``max_retries`` times with exponential backoff (0.5 s doubling
+gets a 5xx/429, a 422 saying its queries cannot be searched (a server that cannot search is an outage, not "no
+hits") or an unreadable body is retried up to ``max_retries`` times with exponential backoff (0.5 s doubling
 up to 8 s: the defaults wait 39.5 s in all, so a retriever restart of ~10 s costs no search); a search that still
 fails gives the model an empty result, is logged as a warning and is counted in :meth:`RetrievalClient.metrics`, never
 raised into the rollout. Every bound is on wall time, not on socket reads: an attempt gets ``timeout_s`` from
@@ -108,6 +109,21 @@ def _passages_per_query(body: Any, num_queries: int) -> list[list[dict]]:
     return result
 
 
+class CannotSearch(RuntimeError):
+    """The server read the request but could not search it (a 422 ``queries[i]: cannot be searched``): the client
+    only sends valid text, so the fault is the server's (a broken encoder or device), an outage to retry."""
+
+
+async def _head(response: httpx.Response, limit: int) -> bytes:
+    """The first ``limit`` bytes of a streamed body (an error's detail; a hostile server's cannot be held whole)."""
+    head = bytearray()
+    async for chunk in response.aiter_bytes():
+        head += chunk
+        if len(head) >= limit:
+            break
+    return bytes(head[:limit])
+
+
 def _retryable(error: Exception) -> bool:
     """Whether sending the same request again may succeed: not when the server rejected it as a bad request."""
     if isinstance(error, httpx.HTTPStatusError):
@@ -141,7 +157,8 @@ class RetrievalClient:
         self._counts: Counter[str] = Counter()
 
     async def search(self, query: str) -> str:
-        """The top ``topk`` passages for ``query``, formatted for the model; "" if retrieval failed.
+        """The top ``topk`` passages for ``query``, formatted for the model; "" if retrieval failed (an answered
+        search has at least one passage, so "" means the retriever did not answer).
 
         TypeError for a query that is not a str (a tool loop passing the model's arguments through unchecked): it
         would otherwise fail the whole batch it joins."""
@@ -206,7 +223,7 @@ class RetrievalClient:
                     docs = _passages_per_query(json.loads(await self._post(http, body)), len(queries))
                 return [_passages_to_string(d, self.config.max_passage_chars) for d in docs]
             # ValueError: body is not JSON, has another shape or is too large; TimeoutError: timeout_s or deadline_s
-            except (httpx.HTTPError, ValueError, TimeoutError) as error:
+            except (httpx.HTTPError, CannotSearch, ValueError, TimeoutError) as error:
                 last_error = error
                 if not _retryable(error):
                     break
@@ -223,6 +240,10 @@ class RetrievalClient:
         """The response body of one POST, read up to ``max_response_bytes``; raises for a 4xx/5xx status."""
         headers = {"content-type": "application/json"}
         async with http.stream("POST", self.config.search_url, content=body, headers=headers) as response:
+            if response.status_code == 422:
+                detail = await _head(response, 4096)
+                if b"cannot be searched" in detail:
+                    raise CannotSearch(f"422 {detail[:200].decode(errors='replace')}")
             response.raise_for_status()
             declared = response.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > self.config.max_response_bytes:
@@ -257,3 +278,32 @@ class RetrievalClient:
         if self._http is not None and self._http_loop is asyncio.get_running_loop():
             await self._http.aclose()
         self._http = self._http_loop = None
+
+
+PROBE_QUERY = "Who won Super Bowl 50?"
+
+
+def check_retriever(search_url: str, topk: int, timeout_s: float = 30.0) -> None:
+    """ValueError naming the problem unless the retrieval server at ``search_url`` says it is healthy and answers a
+    probe query with passages: a server that is down, or up but unable to search, would turn every search of a run
+    into a failure (the plan check and ``searchr1-eval`` ask before anything heavy starts)."""
+    base = search_url.rsplit("/", 1)[0]
+    try:
+        health = httpx.get(f"{base}/health", timeout=timeout_s)
+        answer = httpx.post(search_url, json={"queries": [PROBE_QUERY], "topk": topk}, timeout=timeout_s) \
+            if health.status_code == 200 else None
+    except httpx.HTTPError as error:
+        raise ValueError(f"retrieval server not reachable at {search_url} ({error!r}): start "
+                         "`searchr1-retriever` or fix search_url") from None
+    if answer is None:
+        raise ValueError(f"the retrieval server at {base}/health answers {health.status_code} "
+                         f"{health.text[:200]!r}: it cannot serve searches")
+    try:
+        answer.raise_for_status()
+        [passages] = _passages_per_query(answer.json(), 1)
+    except (httpx.HTTPStatusError, ValueError) as error:
+        raise ValueError(f"the retrieval server at {search_url} cannot search: a probe query got {answer.status_code} "
+                         f"{' '.join(str(error).split())[:200]}; {answer.text[:200]!r}") from None
+    if not passages:
+        raise ValueError(f"the retrieval server at {search_url} found no passage for a probe query: is its index "
+                         "empty?")

@@ -25,13 +25,14 @@ or on empty content. Answers and golden answers are compared after SQuAD normali
 SQuAD script does it, so EM numbers stay comparable with published Search-R1 results.
 
 A :class:`Rubric` sums weighted reward functions and gives ``truncation_reward`` (0.0) to rollouts a budget cut
-short. It scores each :class:`~searchr1_trl.engine.rollout.Rollout` from its own sample on every path: as a TRL
-reward function it takes ``rollout`` (the trainer's rollout function hands each completion's on as an extra field),
-and :meth:`Rubric.score` takes one. Its reward functions are TRL reward functions too:
-``fn(prompts, completions, *, messages, golden_answers, status=None, **kwargs) -> list[float]``, where ``messages``
-is the whole conversation of each completion and ``status`` its :class:`~searchr1_trl.engine.rollout.RolloutStatus`
-(or its value), all read by the rubric from the rollouts.
-"""
+short, and none at all (None) to a rollout that ended because the retriever did not answer (``error_tool``), so an
+outage neither counts as a wrong answer nor moves its group's baseline. It scores each
+:class:`~searchr1_trl.engine.rollout.Rollout` from its own sample on every path: as a TRL reward function it takes
+``rollout`` (the trainer's rollout function hands each completion's on as an extra field), and :meth:`Rubric.score`
+takes one. Its reward functions are TRL reward functions too: ``fn(prompts, completions, *, messages,
+golden_answers, status=None, **kwargs) -> list[float]``, where ``messages`` is the whole conversation of each
+completion and ``status`` its :class:`~searchr1_trl.engine.rollout.RolloutStatus` (or its value), all read by the
+rubric from the rollouts. """
 
 from __future__ import annotations
 
@@ -199,13 +200,15 @@ class Rubric:
         self.truncation_reward = truncation_reward
         self.__name__ = "rubric"
 
-    def __call__(self, prompts, completions, *, rollout: Sequence[Any], log_metric=None, **kwargs) -> list[float]:
+    def __call__(self, prompts, completions, *, rollout: Sequence[Any], log_metric=None,
+                 **kwargs) -> list[float | None]:
         """The rewards of each completion's ``rollout``, from its conversation, status and own sample's golden
         answers; TRL's copies of those (row columns, extra fields) are not read."""
         own = {"messages": [r.messages for r in rollout], "status": [r.status for r in rollout],
                "golden_answers": [r.sample.golden_answers for r in rollout]}
         kwargs = {key: value for key, value in kwargs.items() if key not in own}
         truncated = [RolloutStatus(s).truncated for s in own["status"]]
+        outage = [RolloutStatus(s) is RolloutStatus.ERROR_TOOL for s in own["status"]]
         totals = [self.truncation_reward if t else 0.0 for t in truncated]
         for fn in self.reward_fns:
             scores = fn(prompts, completions, **own, rollout=rollout, log_metric=log_metric, **kwargs)
@@ -215,8 +218,11 @@ class Rubric:
                 log_metric(f"rubric/{fn.__name__}", sum(scores) / len(scores))
         if log_metric is not None:
             log_metric("rubric/truncated", sum(truncated) / len(truncated))
-        return totals
+            log_metric("rubric/unscored_tool_failures", sum(outage) / len(outage))
+        # None: TRL (1.16) leaves an unscorable completion out of its group's baseline and gives it no advantage.
+        return [None if failed else total for total, failed in zip(totals, outage, strict=True)]
 
-    def score(self, rollout: Any) -> float:
-        """The reward of one :class:`~searchr1_trl.engine.rollout.Rollout` (its sample carries ``golden_answers``)."""
+    def score(self, rollout: Any) -> float | None:
+        """The reward of one :class:`~searchr1_trl.engine.rollout.Rollout` (its sample carries ``golden_answers``);
+        None for one the retriever did not answer."""
         return self([None], [None], rollout=[rollout])[0]
