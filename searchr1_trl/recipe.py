@@ -431,12 +431,20 @@ def _accepted_types(hint: Any) -> tuple[type, ...] | None:
     return (hint,) if hint in (int, str, bool, list, dict) else None
 
 
+class RecipeParser(TrlParser):
+    """TrlParser whose command-line errors (``--max_turns abc``) are a ValueError, so ``searchr1-train`` says them in
+    one line instead of argparse's usage of every field (some 300 lines) and exit status 2."""
+
+    def error(self, message: str):
+        raise ValueError(f"command line: {message}")
+
+
 def recipe_values(argv: list[str]) -> dict[str, Any]:
     """Every field ``--config <recipe> [--field value ...]`` sets, typed by :func:`load_recipe`'s parser but not yet a
     config: what the plan check reads first, since building the config runs ``TrainingArguments``' own checks (bf16
     without a GPU fails there in a traceback that names neither the recipe nor what to run instead)."""
     argv = list(argv)
-    parser = TrlParser((SearchR1Config, ModelConfig))
+    parser = RecipeParser((SearchR1Config, ModelConfig))
     if "--config" in argv:
         i = argv.index("--config")
         values = read_recipe(recipe_path(argv[i + 1]))
@@ -454,7 +462,7 @@ def load_recipe(argv: list[str] | None = None) -> tuple[SearchR1Config, ModelCon
         i = argv.index("--config") + 1
         argv[i] = str(recipe_path(argv[i]))
         read_recipe(argv[i])  # one line for a recipe TrlParser would turn into a traceback
-    args, model_args = TrlParser((SearchR1Config, ModelConfig)).parse_args_and_config(args=argv)
+    args, model_args = RecipeParser((SearchR1Config, ModelConfig)).parse_args_and_config(args=argv)
     if model_args.model_name_or_path:
         model_args.model_name_or_path = resolve_path(model_args.model_name_or_path)
     for part in PARTS:  # each part checks its own knobs (max_turns >= 1, ...): now, not when the trainer builds it

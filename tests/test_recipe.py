@@ -147,6 +147,12 @@ def test_a_bad_recipe_value_or_yaml_stops_training_in_one_line_naming_file_and_f
     assert expected.format(recipe=recipe) in train_error("--config", str(recipe), "--use_cpu", "true")
 
 
+def test_a_bad_value_on_the_command_line_is_one_line_not_the_usage_of_every_field(capsys):
+    assert train_error("--config", "offline", "--max_turns", "abc") == (
+        "error: command line: argument --max_turns/--max-turns: invalid int value: 'abc'")
+    assert "usage:" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("text", "kind"), [("- a\n- b\n", "list"), ("hello\n", "str")])
 def test_a_recipe_that_is_no_mapping_says_a_recipe_must_be_one(text, kind, tmp_path):
     recipe = tmp_path / "bad.yaml"

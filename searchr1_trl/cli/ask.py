@@ -90,10 +90,10 @@ def _stdin_questions():
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trl import TrlParser
+    from searchr1_trl.recipe import RecipeParser
 
-    parser = TrlParser((AskConfig, PolicyConfig), description=__doc__,
-                       formatter_class=_HelpFormatter, prog="searchr1-ask")
+    parser = RecipeParser((AskConfig, PolicyConfig), description=__doc__,
+                          formatter_class=_HelpFormatter, prog="searchr1-ask")
     logging.basicConfig(level=logging.WARNING, format="[searchr1-ask] %(message)s")
     try:
         config, policy = parser.parse_args_and_config(args=argv)

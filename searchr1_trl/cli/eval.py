@@ -353,10 +353,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trl import TrlParser
+    from searchr1_trl.recipe import RecipeParser
 
-    parser = TrlParser((EvalConfig, PolicyConfig), description=__doc__,
-                       formatter_class=_HelpFormatter, prog="searchr1-eval")
+    parser = RecipeParser((EvalConfig, PolicyConfig), description=__doc__,
+                          formatter_class=_HelpFormatter, prog="searchr1-eval")
     logging.basicConfig(level=logging.INFO, format="[searchr1-eval] %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the progress bar
     try:
