@@ -16,8 +16,9 @@ Measured on one H200 (the offline GPU recipe, 3 seeds): between steps 15 and 30 
   its value there, the guard asks for a validation (and a save) at once instead of waiting for the next one; the
   validation decides, so a noisy batch alone never stops a run.
 
-It only acts where training validates (``eval_strategy`` not ``no``); the choice is made on the validation sample,
-so figures to report come from another one (``report_num_samples``).
+It only acts where training validates (``eval_strategy`` not ``no``); without checkpoints (``save_strategy: no``) it
+still stops on a collapse, with a warning at start that it cannot end on the best one. The choice is made on the
+validation sample, so figures to report come from another one (``report_num_samples``).
 """
 
 from __future__ import annotations

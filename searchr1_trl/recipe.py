@@ -273,8 +273,13 @@ class SearchR1Config(GRPOConfig):
             if self.metric_for_best_model not in (None, "em", "eval_em"):
                 raise ValueError(f"metric_for_best_model={self.metric_for_best_model!r}: the collapse guard keeps the "
                                  "best checkpoint by validation EM; remove it or set collapse_guard false")
-            # transformers' own best-checkpoint machinery; it refuses save_steps that are no multiple of eval_steps
-            self.metric_for_best_model, self.greater_is_better, self.load_best_model_at_end = "em", True, True
+            self.metric_for_best_model, self.greater_is_better = "em", True
+            if self.save_strategy != "no":
+                # transformers' own best-checkpoint machinery; it refuses save_steps that are no multiple of eval_steps
+                self.load_best_model_at_end = True
+            else:
+                logger.warning("collapse_guard with save_strategy 'no': training stops on a collapse but keeps no "
+                               "checkpoint to end on the best one; set save_strategy steps to keep it")
         for name in ("train_data_path", "eval_data_path", "weight_sync_dir"):
             if getattr(self, name):
                 setattr(self, name, resolve_path(getattr(self, name)))

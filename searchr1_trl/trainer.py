@@ -187,7 +187,7 @@ class SearchR1Trainer(GRPOTrainer):
         if args.compile_layers:
             compile_decoder_layers(self.model)
         self.collapse_guard = None
-        if args.collapse_guard and args.load_best_model_at_end:  # set by the recipe wherever training validates
+        if args.collapse_guard and args.eval_strategy != "no":
             self.collapse_guard = CollapseGuard(part_config(args, "collapse_guard"))
             self.add_callback(self.collapse_guard)
         self.engine = RolloutEngine(self.processing_class, self.task.generator(self.model, self.processing_class),
@@ -417,7 +417,8 @@ class SearchR1Trainer(GRPOTrainer):
         metrics[f"{metric_key_prefix}_runtime"] = time.perf_counter() - start
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        if self.collapse_guard is not None and self.collapse_guard.wants_start_checkpoint(self.state):
+        if self.args.load_best_model_at_end and self.collapse_guard is not None and \
+                self.collapse_guard.wants_start_checkpoint(self.state):
             # transformers saves (and ranks) checkpoints only after optimizer steps; the start can be the best.
             self._determine_best_metric(metrics=metrics, trial=None)
             self._save_checkpoint(self.model_wrapped, trial=None)

@@ -149,3 +149,13 @@ def test_groups_without_reward_spread_leave_the_loss(tiny_model_dir, tmp_path, q
     logged = [e for e in trainer.state.log_history if "train/dropped_groups" in e]
     assert [e["train/dropped_groups"] for e in logged] == [1.0]
     assert all(torch.equal(before[n], p) for n, p in weights(trainer.model).items()), "no group had a signal"
+
+
+def test_without_checkpoints_the_guard_still_stops_and_says_it_cannot_end_on_the_best(tmp_path, caplog):
+    from searchr1_trl.recipe import SearchR1Config
+
+    with caplog.at_level(logging.WARNING):
+        args = SearchR1Config(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
+                              eval_strategy="steps", eval_steps=5, save_strategy="no")
+    assert not args.load_best_model_at_end and args.metric_for_best_model == "em"
+    assert any("keeps no checkpoint to end on the best one" in r.getMessage() for r in caplog.records)

@@ -96,7 +96,7 @@ def test_searchr1_eval_and_ask_run_from_the_installed_package(venv, offline_asse
                 vllm_server.base_url, *common)
     answer = json.loads(asked.stdout)
     assert set(answer) >= {"question", "answer", "searches", "status", "messages"}
-    assert all(set(search) == {"query", "titles"} for search in answer["searches"])
+    assert all(set(search) == {"query", "titles", "failed"} for search in answer["searches"])
     text = run(venv, "searchr1-ask", "--checkpoint", offline_assets.model, "--vllm_server_base_url",
                vllm_server.base_url, *common, input="Where did Super Bowl 50 take place?\n")
     assert text.stdout.startswith("question: Where did Super Bowl 50 take place?\n") and "\nanswer: " in text.stdout
