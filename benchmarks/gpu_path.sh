@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU production path as run on an nvidia-h200-x2 machine (docs/results/history.md, "GPU production path"), after
-# `bash scripts/gpu_setup.sh <pieces>` there. Each step writes under $RUNS (default /root/runs) and is one command:
+# `bash scripts/gpu_setup.sh <pieces>` there. Each step writes under $RUNS (default ~/runs) and is one command:
 # EAGER=1 bash benchmarks/gpu_path.sh learn_x2: servers without CUDA graphs.
 #   bash benchmarks/gpu_path.sh sync_checks    # vLLM 0.26 on GPU 0 and 1; NCCL push (trainer GPU 1 -> server GPU 0)
 #                                              # and tmpfs reload push (trainer and server on GPU 1): logprob checks
@@ -16,9 +16,9 @@
 #                                              # async rollouts, into one table: $RUNS/async_e2e (run both modes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source /root/searchr1_env.sh
+source "${SEARCHR1_ENV_FILE:-$HOME/searchr1_env.sh}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-RUNS=${RUNS:-/root/runs}
+RUNS=${RUNS:-$HOME/runs}
 CACHE=${SEARCHR1_CACHE:-$HOME/.cache/searchr1_trl}
 MODEL=$CACHE/models/Qwen2.5-Coder-0.5B-Instruct
 mkdir -p "$RUNS"
@@ -59,8 +59,8 @@ case "${1:?step}" in
       > "$RUNS/learn_1gpu_first200.log" 2>&1 &
     wait ;;
   qwen3_1_7b)
-    python3 -m benchmarks.random_checkpoint --model Qwen/Qwen3-1.7B --out /root/qwen3_1_7b
-    python3 scripts/offline_job.py --config qwen3_1_7b --model /root/qwen3_1_7b --corpus full \
+    python3 -m benchmarks.random_checkpoint --model Qwen/Qwen3-1.7B --out "$HOME/qwen3_1_7b"
+    python3 scripts/offline_job.py --config qwen3_1_7b --model "$HOME/qwen3_1_7b" --corpus full \
       --output_dir "$RUNS/qwen3_1_7b" --generator_gpu 0 --trainer_gpu 1 --retriever_gpu 1 --launcher accelerate \
       --generator_gpu_memory_utilization 0.5 --vllm_tensor_parallel_size 1 --max_steps 3 --eval_strategy no \
       --eval_on_start false --report_to none --save_strategy no ;;

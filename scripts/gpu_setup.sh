@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # On a GPU machine with no package index (run from the repo root): unpack what scripts/gpu_bundle.sh packed, build
 # the offline model from its GGUF (when the bundle has assets), and write the environment to source
-# ($SEARCHR1_ENV_FILE, default /root/searchr1_env.sh).
-#   bash scripts/gpu_setup.sh <folder holding site.tar.xz.NN and assets.tar.NN> && source /root/searchr1_env.sh
+# ($SEARCHR1_ENV_FILE, default ~/searchr1_env.sh).
+#   bash scripts/gpu_setup.sh <folder holding site.tar.xz.NN and assets.tar.NN> && source ~/searchr1_env.sh
 set -euo pipefail
 UP=${1:?folder with the bundle pieces}
 SITE=${SEARCHR1_SITE:-/opt/searchr1_site}
 CACHE=${SEARCHR1_CACHE:-$HOME/.cache/searchr1_trl}
-ENV_FILE=${SEARCHR1_ENV_FILE:-/root/searchr1_env.sh}
+ENV_FILE=${SEARCHR1_ENV_FILE:-$HOME/searchr1_env.sh}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$SITE" "$CACHE/wheels"
 cat "$UP"/site.tar.xz.* | xz -dc -T0 | tar x -C "$SITE"
