@@ -49,7 +49,14 @@ from searchr1_trl.search_r1.env import (
     _query_from_arguments,
 )
 from searchr1_trl.search_r1.retrieval import RetrievalClient
-from searchr1_trl.search_r1.rubric import RewardExactMatch, final_answer, normalize_answer, retrieval_surfaced_gold
+from searchr1_trl.search_r1.rubric import (
+    RewardExactMatch,
+    final_answer,
+    normalize_answer,
+    normalized_golds,
+    passages_hold_gold,
+    search_results,
+)
 
 METHODS = ("direct", "rag", "agent")
 
@@ -120,13 +127,9 @@ def _searches(messages: Sequence[dict], outage: bool = False) -> list[dict]:
     return calls
 
 
-def _gold_in_first_search(messages: Sequence[dict], golden_answers: Sequence[str]) -> bool | None:
-    """Whether the first search result (a ``search`` tool message) holds a golden answer as whole words; None when
-    the conversation has no search result."""
-    first = next((m for m in messages if m.get("role") == "tool" and m.get("name") == "search"), None)
-    if first is None:
-        return None
-    return retrieval_surfaced_gold([first], {gold for gold in map(normalize_answer, golden_answers) if gold})
+def _gold_in(passages: str | None, golden_answers: Sequence[str]) -> bool | None:
+    """Whether the first search's ``passages`` hold a golden answer as whole words; None when nothing was searched."""
+    return None if passages is None else passages_hold_gold(passages, normalized_golds(golden_answers))
 
 
 def _made_second_query(trace: Trace) -> bool:
@@ -169,15 +172,14 @@ class Method:
         if self.retrieval is None:
             rollout = await self.engine.rollout(sample, params)
             searches = _searches(rollout.messages, outage=rollout.status == RolloutStatus.ERROR_TOOL)
-            gold_first = _gold_in_first_search(rollout.messages, sample.golden_answers)
+            gold_first = _gold_in(next(iter(search_results(rollout.messages)), None), sample.golden_answers)
         else:
             passages = await self.retrieval.search(sample.question)
             prompt = f"{passages}\n\n{RESTATEMENT.format(question=sample.question)}"
             rollout = await self.engine.rollout(sample, params, messages=[{"role": "user", "content": prompt}])
             searches = [{"query": sample.question, "titles": passage_titles(passages), "failed": not passages},
                         *_searches(rollout.messages)]
-            gold_first = _gold_in_first_search([{"role": "tool", "name": "search", "content": passages}],
-                                               sample.golden_answers)
+            gold_first = _gold_in(passages, sample.golden_answers)
         failed = any(search["failed"] for search in searches)
         return Trace(
             question=sample.question, golden_answers=list(sample.golden_answers),

@@ -357,6 +357,9 @@ def build_task(args: SearchR1Config) -> SearchR1Task:
         def generator(model, tokenizer) -> Generator:
             return TransformersGenerator(model, tokenizer, **asdict(in_process))
 
+    if args.report_num_samples and not validates:
+        raise ValueError(f"report_num_samples={args.report_num_samples} is evaluated beside validation, which this "
+                         "recipe never runs: set eval_strategy (or eval_on_start), or report_num_samples 0")
     held_out = SearchR1Dataset(eval_stream).take(args.eval_num_samples + args.report_num_samples) if validates else []
     if args.report_num_samples and len(held_out) < args.eval_num_samples + args.report_num_samples:
         raise ValueError(f"eval_num_samples={args.eval_num_samples} + report_num_samples={args.report_num_samples} "

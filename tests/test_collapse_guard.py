@@ -159,3 +159,13 @@ def test_without_checkpoints_the_guard_still_stops_and_says_it_cannot_end_on_the
                               eval_strategy="steps", eval_steps=5, save_strategy="no")
     assert not args.load_best_model_at_end and args.metric_for_best_model == "em"
     assert any("keeps no checkpoint to end on the best one" in r.getMessage() for r in caplog.records)
+
+
+def test_a_report_sample_without_validation_names_what_to_set(tmp_path, questions_file):
+    from searchr1_trl.recipe import SearchR1Config
+
+    args = SearchR1Config(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
+                          eval_strategy="no", report_num_samples=5, train_data_path=questions_file,
+                          eval_data_path=questions_file)
+    with pytest.raises(ValueError, match="report_num_samples=5 is evaluated beside validation"):
+        build_task(args)

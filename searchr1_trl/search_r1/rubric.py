@@ -90,18 +90,25 @@ def _made_search_call(messages: Sequence[dict]) -> bool:
     )
 
 
-def retrieval_surfaced_gold(messages: Sequence[dict], golds: set[str]) -> bool:
-    """Whether a normalised golden answer appears as whole words in a normalised search result.
+def passages_hold_gold(passages: str, golds: set[str]) -> bool:
+    """Whether a normalised golden answer appears as whole words in normalised passages.
 
     ``{"ten"}`` is found in ``"Doc 1(Title: Ten) ten pins"`` but not in ``"Doc 1(Title: Tennis) tennis"``.
     """
-    for message in messages:
-        if message.get("role") == "tool" and message.get("name") == SEARCH_TOOL_NAME:
-            # Pad with spaces so the match is on whole words: " ten " is not inside " tennis ".
-            passages = f" {normalize_answer(message.get('content') or '')} "
-            if any(f" {gold} " in passages for gold in golds):
-                return True
-    return False
+    # Pad with spaces so the match is on whole words: " ten " is not inside " tennis ".
+    padded = f" {normalize_answer(passages)} "
+    return any(f" {gold} " in padded for gold in golds)
+
+
+def search_results(messages: Sequence[dict]) -> list[str]:
+    """The text of every ``search`` tool message, in order."""
+    return [m.get("content") or "" for m in messages
+            if m.get("role") == "tool" and m.get("name") == SEARCH_TOOL_NAME]
+
+
+def retrieval_surfaced_gold(messages: Sequence[dict], golds: set[str]) -> bool:
+    """Whether any search result holds a normalised golden answer (:func:`passages_hold_gold`)."""
+    return any(passages_hold_gold(result, golds) for result in search_results(messages))
 
 
 def _normalized_final_answer(messages: Sequence[dict]) -> str | None:
@@ -110,7 +117,7 @@ def _normalized_final_answer(messages: Sequence[dict]) -> str | None:
     return normalize_answer(answer) if answer is not None else None
 
 
-def _normalized_golds(golden_answers: Sequence[str]) -> set[str]:
+def normalized_golds(golden_answers: Sequence[str]) -> set[str]:
     """Normalised golden answers, without those that normalise to nothing (``"The"`` would match every answer)."""
     return {gold for gold in map(normalize_answer, golden_answers) if gold}
 
@@ -145,11 +152,11 @@ class RewardExactMatch:
 
     def correct(self, messages: Sequence[dict], golden_answers: Sequence[str]) -> bool:
         """Whether the final answer is a golden answer (plain EM: what validation measures, no levers)."""
-        return _normalized_final_answer(messages) in _normalized_golds(golden_answers)
+        return _normalized_final_answer(messages) in normalized_golds(golden_answers)
 
     def score(self, messages: Sequence[dict], golden_answers: Sequence[str]) -> float:
         """The reward of one conversation."""
-        golds = _normalized_golds(golden_answers)
+        golds = normalized_golds(golden_answers)
         normalized = _normalized_final_answer(messages)
         if normalized in golds:
             if _made_search_call(messages):
