@@ -35,7 +35,7 @@ from trl import GRPOConfig, ModelConfig, TrlParser
 
 from searchr1_trl.assets import resolve_path
 from searchr1_trl.async_rollouts import AsyncRolloutsConfig
-from searchr1_trl.collapse_guard import CollapseGuardConfig
+from searchr1_trl.callbacks import CollapseGuardConfig
 from searchr1_trl.engine.generation import (
     Generator,
     SamplingParams,
@@ -220,7 +220,7 @@ class SearchR1Config(GRPOConfig):
     warm_start_epochs: float = knob("warm_start", "epochs")
     warm_start_batch_size: int = knob("warm_start", "batch_size")
 
-    # --- collapse guard (searchr1_trl/collapse_guard.py) ---
+    # --- collapse guard (searchr1_trl/callbacks.py) ---
     collapse_guard: bool = knob("collapse_guard", "enabled")
     collapse_em_drop: float = knob("collapse_guard", "em_drop")
     collapse_searches_drop: float = knob("collapse_guard", "searches_drop")

@@ -1,9 +1,10 @@
 """SearchR1Trainer: TRL's GRPOTrainer with the Search-R1 question stream, multi-turn rollouts and EM rubric plugged in.
 
 What this subclass decides, and nothing more:
-- **Questions** come from the endless, seeded :class:`~searchr1_trl.search_r1.data.SearchR1Dataset`, not a sampler
-  over a map-style dataset, so a resumed run continues the exact question sequence (its state is saved in every
-  checkpoint next to the optimizer's).
+- **Questions** come from the endless, seeded :class:`~searchr1_trl.search_r1.data.SearchR1Dataset`, drawn one
+  optimizer step at a time (:class:`~searchr1_trl.search_r1.data.QuestionBatches`), not a sampler over a map-style
+  dataset, so a resumed run continues the exact question sequence (its state is saved in every checkpoint next to the
+  optimizer's).
 - **A checkpoint is complete or ignored**: the stream state is written (atomically) first, a
   :data:`CHECKPOINT_COMPLETE_FILE` marker last, and older checkpoints are rotated away only after the marker, so a
   kill at any moment leaves a complete checkpoint; ``resume_from_checkpoint=True`` takes the newest complete one.
@@ -23,11 +24,12 @@ What this subclass decides, and nothing more:
   ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer), ``padding_free`` (rollouts packed without
   padding for the log-prob forward) and ``compile_layers`` (each decoder layer ``torch.compile``-d in place); the
   loss, tool tokens masked, is TRL's either way.
-- **The saved model is the best validated one** (:mod:`searchr1_trl.collapse_guard`): a collapse stops training and
-  it ends on the best checkpoint by validation EM, step 0 included; ``report_num_samples`` questions disjoint from
-  the validation sample are evaluated beside it, as the figure to report.
+- **The saved model is the best validated one** (:class:`~searchr1_trl.callbacks.CollapseGuard`): a collapse stops
+  training and it ends on the best checkpoint by validation EM, step 0 included; ``report_num_samples`` questions
+  disjoint from the validation sample are evaluated beside it, as the figure to report.
 - **DAPO's dynamic sampling** (``drop_equal_reward_groups``): groups without reward spread leave the loss.
-- **An optimizer step with NaN/inf gradients is skipped** (:class:`NonFiniteGradientGuard`), not applied.
+- **An optimizer step with NaN/inf gradients is skipped**, not applied
+  (:class:`~searchr1_trl.callbacks.NonFiniteGradientGuard`).
 - **Connections are closed**: the event loop rollouts run on, the generator's and the retriever's pooled clients are
   opened by ``train()`` (or a standalone ``evaluate()``) and closed when it returns, also on an error.
 
@@ -67,18 +69,16 @@ import datasets
 import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
-from transformers import TrainerCallback
 from transformers.trainer import rotate_checkpoints
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
 from searchr1_trl import async_rollouts, evaluation
-from searchr1_trl.collapse_guard import CollapseGuard
+from searchr1_trl.callbacks import CollapseGuard, NonFiniteGradientGuard
 from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task, part_config
-from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1Sample
-from searchr1_trl.search_r1.env import SearchR1EnvFactory
+from searchr1_trl.search_r1.data import QuestionBatches, SearchR1Sample, training_row
 from searchr1_trl.update import compile_decoder_layers, packed_forward, with_fp32_master_weights
 from searchr1_trl.weight_sync import weight_push
 
@@ -90,75 +90,6 @@ class SearchOutage(RuntimeError):
 
 STREAM_STATE_FILE = "question_stream.json"
 CHECKPOINT_COMPLETE_FILE = "searchr1_checkpoint_complete"  # written last: the checkpoint can be resumed from
-MAX_CONSECUTIVE_NONFINITE_STEPS = 3
-
-
-def _row(sample: SearchR1Sample, envs: SearchR1EnvFactory) -> dict:
-    """A training row: the sample's columns, and the prompt its env starts from (TRL requires one per row)."""
-    return {"prompt": envs().reset(sample), **sample.as_row()}
-
-
-class QuestionBatches:
-    """The training dataloader: generation batches drawn from the question stream, one draw per optimizer step.
-
-    Reproduces TRL's ``RepeatSampler`` layout (each question ``num_generations`` times in a row, the same global
-    batch repeated ``steps_per_generation * num_iterations`` times, each process taking its contiguous slice),
-    but from a stream whose position is exactly the number of optimizer steps taken, so it can be checkpointed.
-    """
-
-    def __init__(self, stream: SearchR1Dataset, envs: SearchR1EnvFactory, args: SearchR1Config, process_index: int,
-                 num_processes: int):
-        self.stream, self.envs = stream, envs
-        self.questions_per_step = args.generation_batch_size // args.num_generations
-        self.num_generations = args.num_generations
-        self.repeats = args.steps_per_generation * args.num_iterations
-        self.process_index, self.num_processes = process_index, num_processes
-        self.source = self.draw  # where each step's rows come from (async_rollouts draws them ahead)
-
-    def draw(self) -> list[dict]:
-        """This process's rows of the next optimizer step."""
-        samples = [next(self.stream) for _ in range(self.questions_per_step)]
-        rows = [_row(s, self.envs) for s in samples for _ in range(self.num_generations)]
-        per_process = len(rows) // self.num_processes
-        return rows[self.process_index * per_process:(self.process_index + 1) * per_process]
-
-    def __iter__(self):
-        while True:
-            local = self.source()
-            for _ in range(self.repeats):
-                yield local
-
-
-class NonFiniteGradientGuard(TrainerCallback):
-    """Skips an optimizer step whose gradients hold a NaN or inf, instead of writing them into the weights.
-
-    One such step (seen on an H200: Qwen2.5-0.5B, bf16 autocast, lr 1e-5, step 5) turns every weight into NaN, and
-    the run then dies at the next sampling with a CUDA assert that names nothing. Skipped steps are logged as
-    ``train/skipped_nonfinite_step`` (the fraction of steps skipped per log) with a warning; after
-    :data:`MAX_CONSECUTIVE_NONFINITE_STEPS` in a row training stops with an error, since the run is then broken, not
-    unlucky. Under DeepSpeed ZeRO the gradients are partitioned away from ``param.grad`` and this guard sees none;
-    there DeepSpeed's own ``bf16.check_grad_overflow`` (on by default in 0.19) skips such steps.
-    """
-
-    def __init__(self, metrics: dict[str, list[float]]):
-        self.metrics = metrics
-        self.consecutive = 0
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not grads or torch.stack([torch.isfinite(g).all() for g in grads]).all():
-            self.consecutive = 0
-            self.metrics["train/skipped_nonfinite_step"].append(0.0)
-            return
-        self.consecutive += 1
-        if self.consecutive >= MAX_CONSECUTIVE_NONFINITE_STEPS:
-            raise FloatingPointError(
-                f"the gradients held NaN or inf at {self.consecutive} optimizer steps in a row (last: step "
-                f"{state.global_step + 1}); lower learning_rate or train without bf16/fp16 autocast")
-        logger.warning("optimizer step %d skipped: the gradients hold NaN or inf (the weights are left as they were)",
-                       state.global_step + 1)
-        optimizer.zero_grad(set_to_none=True)  # an optimizer skips parameters without a gradient
-        self.metrics["train/skipped_nonfinite_step"].append(1.0)
 
 
 class SearchR1Trainer(GRPOTrainer):
@@ -177,7 +108,7 @@ class SearchR1Trainer(GRPOTrainer):
         self._synced_step = -1
         # TRL requires a dataset object; this one describes the stream, the real batches come from QuestionBatches.
         train_dataset = datasets.IterableDataset.from_generator(lambda: iter(()))
-        eval_dataset = datasets.Dataset.from_list([_row(s, self.envs) for s in self.eval_samples]) or None
+        eval_dataset = datasets.Dataset.from_list([training_row(s, self.envs) for s in self.eval_samples]) or None
         super().__init__(
             model=model, reward_funcs=reward_funcs or [self.task.rubric], args=args, train_dataset=train_dataset,
             eval_dataset=eval_dataset if len(self.eval_samples) else None, processing_class=processing_class,

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lower layers never import higher ones. A unit is a top-level module or a sub-package (a folder): modules of one
 # folder may import each other (the cycle test still applies); two units of one layer only where listed in SAME_LAYER.
 LAYERS = [
-    {"shapes", "assets", "processes", "vllm_server", "update", "weight_sync", "collapse_guard",
+    {"shapes", "assets", "processes", "vllm_server", "update", "weight_sync", "callbacks",
      "async_rollouts"},  # leaves
     {"engine"},  # the generic multi-turn tool engine: rollout loop, parsing, generation backends
     {"search_r1"},  # the Search-R1 task: data, env, retrieval client, rubric

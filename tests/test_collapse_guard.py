@@ -10,7 +10,7 @@ import torch
 from transformers import TrainerControl, TrainerState
 
 from searchr1_trl import evaluation
-from searchr1_trl.collapse_guard import CollapseGuard, CollapseGuardConfig
+from searchr1_trl.callbacks import CollapseGuard, CollapseGuardConfig
 from searchr1_trl.recipe import build_task
 from searchr1_trl.trainer import SearchR1Trainer
 from tests.test_trainer import model_text_reward, small_config

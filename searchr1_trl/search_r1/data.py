@@ -7,6 +7,9 @@ numpy Generator seeded by ``seed``, so each wrap shows the rows in a new order a
 with ``shuffle=False`` every epoch is file order, so validation draws the same samples every time.
 ``state_dict()`` captures the generator state, the current epoch's order and the cursor, so a resumed run yields
 exactly the samples the uninterrupted run would have.
+
+:class:`QuestionBatches` is the trainer's dataloader over the stream: TRL's generation-batch layout, drawn one
+optimizer step at a time, so the stream's position is the number of steps taken and a checkpoint of it resumes there.
 """
 
 from __future__ import annotations
@@ -14,11 +17,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import huggingface_hub
 import numpy as np
 import pandas as pd
+
+if TYPE_CHECKING:
+    from trl import GRPOConfig
+
+    from searchr1_trl.search_r1.env import SearchR1EnvFactory
 
 REQUIRED_COLUMNS = ("question", "golden_answers")
 
@@ -183,3 +191,39 @@ class SearchR1Dataset(Iterator[SearchR1Sample]):
         self._cursor = state["cursor"]
         self._order = list(state["order"])
         self._rng.bit_generator.state = state["rng"]
+
+
+def training_row(sample: SearchR1Sample, envs: SearchR1EnvFactory) -> dict:
+    """A training row: the sample's columns, and the prompt its env starts from (TRL requires one per row)."""
+    return {"prompt": envs().reset(sample), **sample.as_row()}
+
+
+class QuestionBatches:
+    """The training dataloader: generation batches drawn from the question stream, one draw per optimizer step.
+
+    Reproduces TRL's ``RepeatSampler`` layout (each question ``num_generations`` times in a row, the same global
+    batch repeated ``steps_per_generation * num_iterations`` times, each process taking its contiguous slice),
+    but from a stream whose position is exactly the number of optimizer steps taken, so it can be checkpointed.
+    """
+
+    def __init__(self, stream: SearchR1Dataset, envs: SearchR1EnvFactory, args: GRPOConfig, process_index: int,
+                 num_processes: int):
+        self.stream, self.envs = stream, envs
+        self.questions_per_step = args.generation_batch_size // args.num_generations
+        self.num_generations = args.num_generations
+        self.repeats = args.steps_per_generation * args.num_iterations
+        self.process_index, self.num_processes = process_index, num_processes
+        self.source = self.draw  # where each step's rows come from (async_rollouts draws them ahead)
+
+    def draw(self) -> list[dict]:
+        """This process's rows of the next optimizer step."""
+        samples = [next(self.stream) for _ in range(self.questions_per_step)]
+        rows = [training_row(s, self.envs) for s in samples for _ in range(self.num_generations)]
+        per_process = len(rows) // self.num_processes
+        return rows[self.process_index * per_process:(self.process_index + 1) * per_process]
+
+    def __iter__(self):
+        while True:
+            local = self.source()
+            for _ in range(self.repeats):
+                yield local
