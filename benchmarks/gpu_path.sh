@@ -4,6 +4,7 @@
 # EAGER=1 bash benchmarks/gpu_path.sh learn_x2: servers without CUDA graphs.
 #   bash benchmarks/gpu_path.sh sync_checks    # vLLM 0.26 on GPU 0 and 1; NCCL push (trainer GPU 1 -> server GPU 0)
 #                                              # and tmpfs reload push (trainer and server on GPU 1): logprob checks
+#                                              # (benchmarks/sync_checks.py, which starts and stops the servers)
 #   bash benchmarks/gpu_path.sh learn_x2       # offline_gpu, generator GPU 0, trainer GPU 1 (accelerate), NCCL
 #   bash benchmarks/gpu_path.sh learn_1gpu     # offline_gpu as committed (vLLM beside the trainer, tmpfs reload) on
 #                                              # GPU 0, and the same on GPU 1 validated on the first 200 dev rows
@@ -24,27 +25,11 @@ MODEL=$CACHE/models/Qwen2.5-Coder-0.5B-Instruct
 mkdir -p "$RUNS"
 
 EAGER=${EAGER:+--generator_enforce_eager}  # EAGER=1: no CUDA graphs in the jobs' vLLM servers
-serve() {  # serve <gpu> <port> <model> <log> <eager>: trl vllm-serve (execs vllm serve with NCCL weight transfer)
-  CUDA_VISIBLE_DEVICES=$1 setsid python3 -m trl.cli.main vllm-serve --model "$3" --host 127.0.0.1 --port "$2" \
-    --gpu_memory_utilization 0.3 --max_model_len 4096 --enforce_eager "$5" >"$4" 2>&1 &
-}
-wait_healthy() {
-  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 1; done
-  echo "server on port $1 not healthy" >&2; return 1
-}
 
 case "${1:?step}" in
   sync_checks)
-    # GPU 0 eager, GPU 1 with CUDA graphs (vLLM's default): also shows what graph capture costs at start.
-    start=$(date +%s)
-    serve 0 8001 "$MODEL" "$RUNS/vllm_gpu0.log" true; serve 1 8002 "$MODEL" "$RUNS/vllm_gpu1.log" false
-    wait_healthy 8001; echo "eager server healthy after $(( $(date +%s) - start ))s"
-    wait_healthy 8002; echo "CUDA-graph server healthy after $(( $(date +%s) - start ))s"
-    CUDA_VISIBLE_DEVICES=1 python3 -m benchmarks.weight_sync --model "$MODEL" --sync nccl \
-      --server_url http://127.0.0.1:8001 --questions "$CACHE/data/squad_open/test.parquet" --out "$RUNS/weight_sync.jsonl"
-    CUDA_VISIBLE_DEVICES=1 python3 -m benchmarks.weight_sync --model "$MODEL" --sync reload \
-      --server_url http://127.0.0.1:8002 --questions "$CACHE/data/squad_open/test.parquet" --out "$RUNS/weight_sync.jsonl"
-    pkill -f "vllm serve" || true ;;
+    python3 -m benchmarks.sync_checks --model "$MODEL" --questions "$CACHE/data/squad_open/test.parquet" \
+      --out "$RUNS/weight_sync.jsonl" --log_dir "$RUNS" ;;
   learn_x2)
     python3 scripts/offline_job.py --config offline_gpu --corpus full --output_dir "$RUNS/learn_x2" \
       --generator vllm --weight_sync nccl --generator_gpu 0 --trainer_gpu 1 --retriever_gpu 1 --launcher accelerate \

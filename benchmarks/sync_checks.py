@@ -1,0 +1,100 @@
+"""Both weight pushes checked on two GPUs, servers included: :mod:`benchmarks.weight_sync` against two vLLM servers
+this starts, waits for and stops on exit (also on an error or Ctrl-C; when this process is killed the servers' reapers
+stop them: :func:`searchr1_trl.processes.owned_popen`).
+
+- ``nccl``: the server on GPU 0, without CUDA graphs; the trainer on GPU 1 (two processes on one GPU cannot form
+  an NCCL pair).
+- ``reload``: the server on GPU 1 with CUDA graphs (vLLM's default), beside the trainer: the push that works on one
+  GPU. The two servers' start-up times side by side show what graph capture costs.
+
+Each check appends its row to ``--out``; the first that fails (log-probs beyond tolerance, a server that died under
+it) stops the run with its cause named. Server output goes to ``<log_dir>/vllm_gpu<N>.log``.
+
+    python -m benchmarks.sync_checks --model M --questions test.parquet --out runs/weight_sync.jsonl
+    python -m benchmarks.sync_checks --model M --questions test.parquet --dry_run   # the commands, as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from searchr1_trl.processes import run_reporting
+from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+
+TRAINER_GPU = "1"
+
+
+@dataclass(frozen=True)
+class SyncCheck:
+    """One push (``--sync`` of benchmarks.weight_sync) and the server it is checked against."""
+
+    sync: str
+    server_gpu: str
+    port: int
+    enforce_eager: bool
+
+
+CHECKS = (
+    SyncCheck("nccl", server_gpu="0", port=8001, enforce_eager=True),
+    SyncCheck("reload", server_gpu=TRAINER_GPU, port=8002, enforce_eager=False),
+)
+
+
+def server_config(check: SyncCheck, args: argparse.Namespace) -> VLLMServerConfig:
+    """The server of ``check``; 0.3 of its GPU, so the reload check's trainer fits beside it."""
+    return VLLMServerConfig(
+        model=args.model, port=check.port, gpu_memory_utilization=0.3, enforce_eager=check.enforce_eager,
+        startup_timeout_s=args.startup_timeout_s, log_file=str(Path(args.log_dir) / f"vllm_gpu{check.server_gpu}.log"),
+        env={"CUDA_VISIBLE_DEVICES": check.server_gpu})
+
+
+def check_command(check: SyncCheck, server: VLLMServerConfig, args: argparse.Namespace) -> list[str]:
+    """benchmarks.weight_sync pushing with ``check.sync`` into ``server`` (run on :data:`TRAINER_GPU`)."""
+    return [sys.executable, "-m", "benchmarks.weight_sync", "--model", args.model, "--sync", check.sync,
+            "--server_url", server.base_url, "--questions", args.questions, *(["--out", args.out] if args.out else [])]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model folder to serve and train")
+    parser.add_argument("--questions", required=True, help="parquet with a question column")
+    parser.add_argument("--out", help="JSONL file each check appends its row to")
+    parser.add_argument("--log_dir", default="runs", help="where the servers' logs go")
+    parser.add_argument("--startup_timeout_s", type=float, default=300.0, help="how long to wait for each server")
+    parser.add_argument("--dry_run", action="store_true", help="print the servers' and checks' commands and exit")
+    args = parser.parse_args(argv)
+    checks = [(check, server_config(check, args)) for check in CHECKS]
+    trainer_env = {"CUDA_VISIBLE_DEVICES": TRAINER_GPU}
+    if args.dry_run:
+        print(json.dumps({check.sync: {"server": {"command": server.command(), "env": server.env},
+                                       "check": {"command": check_command(check, server, args), "env": trainer_env}}
+                          for check, server in checks}, indent=2))
+        return
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as servers:
+        start = time.monotonic()
+        launched = []
+        for check, config in checks:  # both start up at once, so their start-up times compare
+            server = VLLMServer(config).launch()
+            servers.callback(server.stop)
+            launched.append((check, server))
+        for check, server in launched:
+            server.wait_until_healthy()
+            kind = "eager" if check.enforce_eager else "CUDA-graph"
+            print(f"{kind} server on GPU {check.server_gpu} healthy after {time.monotonic() - start:.0f}s", flush=True)
+        for check, server in launched:
+            # a server that dies under its check stops it at once, named with its log
+            needs = {f"the vLLM server on GPU {check.server_gpu}": (server.process, server.config.log_file)}
+            run_reporting(f"the {check.sync} check", check_command(check, server.config, args), needs=needs,
+                          env={**os.environ, **trainer_env})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The GPU path's weight-sync checks (benchmarks/sync_checks.py), checked on CPU through --dry_run: each push runs
+against a server placed where that push works."""
+
+import json
+
+from benchmarks.sync_checks import main
+
+
+def plan(capsys) -> dict:
+    main(["--model", "/models/m", "--questions", "q.parquet", "--out", "runs/weight_sync.jsonl", "--dry_run"])
+    return json.loads(capsys.readouterr().out)
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_the_nccl_push_crosses_gpus_and_the_reload_push_shares_the_trainers(capsys):
+    checks = plan(capsys)
+    # two processes on one GPU cannot form an NCCL pair; the reload push is the one that works beside the trainer
+    nccl, reload = checks["nccl"], checks["reload"]
+    assert nccl["server"]["env"] != nccl["check"]["env"] == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert reload["server"]["env"] == reload["check"]["env"] == {"CUDA_VISIBLE_DEVICES": "1"}
+    for sync, check in checks.items():
+        server, command = check["server"]["command"], check["check"]["command"]
+        assert server[2:4] == ["trl.cli.main", "vllm-serve"] and flag(server, "--host") == "127.0.0.1"
+        assert command[1:3] == ["-m", "benchmarks.weight_sync"] and flag(command, "--sync") == sync
+        assert flag(command, "--server_url") == f"http://127.0.0.1:{flag(server, '--port')}"
+        assert flag(command, "--out") == "runs/weight_sync.jsonl"
+    assert flag(nccl["server"]["command"], "--port") != flag(reload["server"]["command"], "--port")
+
+
+def test_one_server_runs_eager_and_one_with_cuda_graphs_so_their_start_up_times_compare(capsys):
+    checks = plan(capsys)
+    assert flag(checks["nccl"]["server"]["command"], "--enforce_eager") == "true"
+    assert "--enforce_eager" not in checks["reload"]["server"]["command"]
