@@ -73,8 +73,9 @@ def _spread(values: list[float]) -> dict[str, float | None]:
 
 
 def runs(out: Path) -> list[dict]:
-    """One record per finished run under ``out``: the report-sample EM at the warm start, the last step and the
-    checkpoint the run ended on, with what the agent learned there."""
+    """One record per finished run under ``out``: EM at the warm start, the last step and the checkpoint the run
+    ended on, with what the agent learned there. EM is on the report sample; a run without one
+    (``report_num_samples 0``, e.g. a quick mechanics run) is read on its validation sample and marked so."""
     records = []
     for folder in sorted(p for p in out.iterdir() if (p / "command.json").exists()):
         meta = json.loads((folder / "command.json").read_text())
@@ -87,16 +88,17 @@ def runs(out: Path) -> list[dict]:
         start, last = evals[min(evals)], evals[max(evals)]
         best_step = summary.get("best_step")
         chosen = evals.get(best_step, last)
+        prefix = "report" if start.get("report_em") is not None else "eval"
+        learned = ("searches_per_rollout", "second_query_rate", "first_search_missed", "em_first_search_missed")
         records.append({
             **meta, "run": folder.name, "finished": True, "steps": summary["steps"],
             "train_runtime_s": summary.get("train_runtime_s"), "best_step": best_step,
+            "sample": "report" if prefix == "report" else "validation",
+            "em": {"start": start.get(f"{prefix}_em"), "last": last.get(f"{prefix}_em"),
+                   "chosen": chosen.get(f"{prefix}_em")},
             "eval_em": {"start": start.get("eval_em"), "last": last.get("eval_em"), "chosen": chosen.get("eval_em")},
-            "report_em": {"start": start.get("report_em"), "last": last.get("report_em"),
-                          "chosen": chosen.get("report_em")},
-            "learned": {key: chosen.get(f"report_{key}") for key in (
-                "searches_per_rollout", "second_query_rate", "first_search_missed", "em_first_search_missed")},
-            "learned_start": {key: start.get(f"report_{key}") for key in (
-                "searches_per_rollout", "second_query_rate", "first_search_missed", "em_first_search_missed")},
+            "learned": {key: chosen.get(f"{prefix}_{key}") for key in learned},
+            "learned_start": {key: start.get(f"{prefix}_{key}") for key in learned},
             "train_searches_by_step": summary.get("train_searches_by_step"),
         })
     return records
@@ -106,16 +108,17 @@ def report(out: Path, baseline: str | None = None) -> dict:
     records = runs(out)
     table = {}
     for variant in dict.fromkeys(r["variant"] for r in records):
-        done = [r for r in records if r["variant"] == variant and r["finished"] and r["report_em"]["start"] is not None]
-        gains_last = [r["report_em"]["last"] - r["report_em"]["start"] for r in done]
-        gains_chosen = [r["report_em"]["chosen"] - r["report_em"]["start"] for r in done]
+        done = [r for r in records if r["variant"] == variant and r["finished"] and r["em"]["start"] is not None]
+        gains_last = [r["em"]["last"] - r["em"]["start"] for r in done]
+        gains_chosen = [r["em"]["chosen"] - r["em"]["start"] for r in done]
         table[variant] = {
             "flags": next(r["flags"] for r in records if r["variant"] == variant),
+            "sample": "/".join(dict.fromkeys(r["sample"] for r in done)) or "-",
             "seeds": [r["seed"] for r in done], "unfinished": [r["run"] for r in records
                                                                if r["variant"] == variant and not r["finished"]],
-            "warm_start": _spread([r["report_em"]["start"] for r in done]),
-            "last": _spread([r["report_em"]["last"] for r in done]),
-            "chosen": _spread([r["report_em"]["chosen"] for r in done]),
+            "warm_start": _spread([r["em"]["start"] for r in done]),
+            "last": _spread([r["em"]["last"] for r in done]),
+            "chosen": _spread([r["em"]["chosen"] for r in done]),
             "gain_last": _spread(gains_last), "gain_chosen": _spread(gains_chosen),
             "train_runtime_s": _spread([r["train_runtime_s"] for r in done if r["train_runtime_s"] is not None]),
         }
@@ -123,16 +126,16 @@ def report(out: Path, baseline: str | None = None) -> dict:
     def fmt(value, digits=3):
         return "-" if value is None else f"{value:.{digits}f}"
 
-    print("| variant | flags | seed | warm start | last step | chosen (step) | gain last | gain chosen | "
+    print("| variant | flags | seed | sample | warm start | last step | chosen (step) | gain last | gain chosen | "
           "searches | 2nd query | EM when 1st search missed | train_runtime s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in records:
         if not r["finished"]:
-            print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | unfinished | | | | | | | | |")
+            print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | unfinished | | | | | | | | | |")
             continue
-        em, learned = r["report_em"], r["learned"]
-        print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | {fmt(em['start'])} | {fmt(em['last'])} | "
-              f"{fmt(em['chosen'])} ({r['best_step']}) | {em['last'] - em['start']:+.3f} | "
+        em, learned = r["em"], r["learned"]
+        print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | {r['sample']} | {fmt(em['start'])} | "
+              f"{fmt(em['last'])} | {fmt(em['chosen'])} ({r['best_step']}) | {em['last'] - em['start']:+.3f} | "
               f"{em['chosen'] - em['start']:+.3f} | {fmt(learned['searches_per_rollout'])} | "
               f"{fmt(learned['second_query_rate'])} | {fmt(learned['em_first_search_missed'])} | "
               f"{fmt(r['train_runtime_s'], 1)} |")
@@ -142,17 +145,19 @@ def report(out: Path, baseline: str | None = None) -> dict:
 
 
 def variant_table(table: dict, baseline: str | None = None) -> str:
-    """One Markdown row per variant: report EM (last step and chosen checkpoint: mean, sd, min over seeds), mean
+    """One Markdown row per variant: EM on its sample (last step and chosen checkpoint: mean, sd, min over seeds), mean
     ``train_runtime`` and its speedup over ``baseline`` (default: the first variant).
 
-    >>> print(variant_table({"sync": {"flags": "", "seeds": [0, 1], "last": {"mean": 0.44, "sd": 0.01, "min": 0.43},
-    ...     "chosen": {"mean": 0.45, "sd": 0.01, "min": 0.44}, "train_runtime_s": {"mean": 160.0}},
-    ...     "async": {"flags": "--async_rollouts true", "seeds": [0, 1], "last": {"mean": 0.43, "sd": 0.02,
-    ...     "min": 0.41}, "chosen": {"mean": 0.44, "sd": 0.02, "min": 0.42}, "train_runtime_s": {"mean": 80.0}}}))
-    | variant | flags | seeds | report EM last: mean (sd, min) | chosen: mean (sd, min) | train_runtime s | speedup |
-    | --- | --- | --- | --- | --- | --- | --- |
-    | sync | `` | 0 1 | 0.440 (0.010, 0.430) | 0.450 (0.010, 0.440) | 160.0 | 1.00x |
-    | async | `--async_rollouts true` | 0 1 | 0.430 (0.020, 0.410) | 0.440 (0.020, 0.420) | 80.0 | 2.00x |
+    >>> print(variant_table({"sync": {"flags": "", "sample": "report", "seeds": [0, 1],
+    ...     "last": {"mean": 0.44, "sd": 0.01, "min": 0.43}, "chosen": {"mean": 0.45, "sd": 0.01, "min": 0.44},
+    ...     "train_runtime_s": {"mean": 160.0}},
+    ...     "async": {"flags": "--async_rollouts true", "sample": "report", "seeds": [0, 1],
+    ...     "last": {"mean": 0.43, "sd": 0.02, "min": 0.41}, "chosen": {"mean": 0.44, "sd": 0.02, "min": 0.42},
+    ...     "train_runtime_s": {"mean": 80.0}}}))
+    | variant | flags | sample | seeds | EM last: mean (sd, min) | chosen: mean (sd, min) | train_runtime s | speedup |
+    | --- | --- | --- | --- | --- | --- | --- | --- |
+    | sync | `` | report | 0 1 | 0.440 (0.010, 0.430) | 0.450 (0.010, 0.440) | 160.0 | 1.00x |
+    | async | `--async_rollouts true` | report | 0 1 | 0.430 (0.020, 0.410) | 0.440 (0.020, 0.420) | 80.0 | 2.00x |
     """
     baseline = baseline or next(iter(table), None)
     reference = table[baseline]["train_runtime_s"]["mean"] if baseline in table else None
@@ -163,12 +168,13 @@ def variant_table(table: dict, baseline: str | None = None) -> str:
         sd = "-" if spread["sd"] is None else f"{spread['sd']:.3f}"
         return f"{spread['mean']:.3f} ({sd}, {spread['min']:.3f})"
 
-    lines = ["| variant | flags | seeds | report EM last: mean (sd, min) | chosen: mean (sd, min) | train_runtime s | "
-             "speedup |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| variant | flags | sample | seeds | EM last: mean (sd, min) | chosen: mean (sd, min) | "
+             "train_runtime s | speedup |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for variant, row in table.items():
         runtime = row["train_runtime_s"]["mean"]
         speedup = f"{reference / runtime:.2f}x" if reference and runtime else "-"
-        lines.append(f"| {variant} | `{row['flags']}` | {' '.join(map(str, row['seeds']))} | {em(row['last'])} | "
+        lines.append(f"| {variant} | `{row['flags']}` | {row['sample']} | {' '.join(map(str, row['seeds']))} | "
+                     f"{em(row['last'])} | "
                      f"{em(row['chosen'])} | {'-' if runtime is None else f'{runtime:.1f}'} | {speedup} |")
     if baseline is not None and baseline not in table:  # e.g. the baseline's batch of seeds has not run yet
         lines.append(f"\nno speedup: the baseline variant {baseline!r} has no finished run here ({', '.join(table)})")

@@ -5,14 +5,14 @@ import json
 from benchmarks.learning import report
 
 
-def finished_run(out, variant, seed, runtime, em_last):
+def finished_run(out, variant, seed, runtime, em_last, report_sample=True):
     folder = out / f"{variant}_s{seed}"
     folder.mkdir(parents=True)
     (folder / "command.json").write_text(json.dumps({"variant": variant, "flags": "", "seed": seed, "command": []}))
     (folder / "summary.json").write_text(json.dumps({
         "steps": 30, "train_runtime_s": runtime, "best_step": 30,
-        "evals": [{"step": 0, "eval_em": 0.40, "report_em": 0.40}, {"step": 30, "eval_em": 0.45,
-                                                                    "report_em": em_last}]}))
+        "evals": [{"step": 0, "eval_em": 0.40, **({"report_em": 0.40} if report_sample else {})},
+                  {"step": 30, "eval_em": 0.45, **({"report_em": em_last} if report_sample else {})}]}))
 
 
 def test_the_report_gives_each_variants_train_runtime_and_report_em_and_the_speedup_over_the_baseline(tmp_path,
@@ -24,8 +24,8 @@ def test_the_report_gives_each_variants_train_runtime_and_report_em_and_the_spee
     assert table["sync"]["train_runtime_s"]["mean"] == 160.0 and table["async"]["train_runtime_s"]["mean"] == 80.0
     assert table["async"]["last"]["mean"] == 0.43
     printed = capsys.readouterr().out
-    assert "| async | `` | 0 1 2 | 0.430 (0.000, 0.430) | 0.430 (0.000, 0.430) | 80.0 | 2.00x |" in printed
-    assert "| sync | `` | 0 1 2 | 0.440 (0.000, 0.440) | 0.440 (0.000, 0.440) | 160.0 | 1.00x |" in printed
+    assert "| async | `` | report | 0 1 2 | 0.430 (0.000, 0.430) | 0.430 (0.000, 0.430) | 80.0 | 2.00x |" in printed
+    assert "| sync | `` | report | 0 1 2 | 0.440 (0.000, 0.440) | 0.440 (0.000, 0.440) | 160.0 | 1.00x |" in printed
     assert json.loads((tmp_path / "learning.json").read_text())["variants"]["async"]["train_runtime_s"]["n"] == 3
 
 
@@ -33,5 +33,12 @@ def test_a_baseline_that_has_not_run_yet_leaves_the_speedup_out(tmp_path, capsys
     finished_run(tmp_path, "async", 0, 80.0, 0.43)
     report(tmp_path, baseline="sync")
     printed = capsys.readouterr().out
-    assert "| async | `` | 0 | 0.430 (-, 0.430) | 0.430 (-, 0.430) | 80.0 | - |" in printed
+    assert "| async | `` | report | 0 | 0.430 (-, 0.430) | 0.430 (-, 0.430) | 80.0 | - |" in printed
     assert "no speedup: the baseline variant 'sync' has no finished run here (async)" in printed
+
+
+def test_runs_without_a_report_sample_are_read_on_validation_and_say_so(tmp_path, capsys):
+    finished_run(tmp_path, "sync", 0, 134.0, 0.43, report_sample=False)
+    table = report(tmp_path)
+    assert table["sync"]["sample"] == "validation" and table["sync"]["gain_last"]["mean"] == 0.05
+    assert "| sync | `` | 0 | validation | 0.400 | 0.450 | 0.450 (30) | +0.050 |" in capsys.readouterr().out
