@@ -6,9 +6,13 @@ Off by default (``async_rollouts``). What this module decides:
   ``i+1 .. i+max_staleness`` on the rollout loop (a background thread) and returns at once, so generation overlaps the
   reference forward, the update and the optimizer step. Each rollout is tagged with the **policy version** it was
   sampled with: the optimizer step whose weights the generator served when it was launched.
-- **A weight push waits for the rollouts in flight** (:meth:`RolloutPipeline.drain`): they finish on the old weights
-  and keep the old tag. The simplest correct choice: a vLLM server serves one set of weights, and a rollout whose
-  later turns came from newer weights would carry two versions. The cost is that the push itself does not overlap.
+- **Rollouts in flight at a weight push** (``in_flight_rollouts``): ``finish`` (default) waits for them
+  (:meth:`RolloutPipeline.drain`): they end on the old weights and keep the old tag, at the cost of the wait.
+  ``pause`` freezes them on the vLLM server for the push (its ``/pause?mode=keep``,
+  :class:`~searchr1_trl.weight_sync.PausedPush`) and lets them go on with the new weights: no wait, and their later
+  tokens are one version newer than their tag. The tag stays the launch version (staleness is counted from the
+  oldest weights a rollout saw, so the bound still holds), and the importance weight below uses each token's own
+  behaviour log-prob, which vLLM reports from the weights that sampled it: the correction is exact either way.
 - **The staleness bound**: a rollout is trained on only if ``step - version <= max_staleness``; an older one is
   dropped, counted (``async/stale_dropped``, the fraction of a step's rollouts) and its prompt rolled out again on the
   current weights, so the step keeps its questions and GRPO groups. With rollouts launched ``max_staleness`` steps
@@ -68,16 +72,28 @@ class AsyncRolloutsConfig:
         metadata={"help": "With async_rollouts: how many optimizer steps older than the weights it trains a rollout "
                           "may be; rollouts are launched that far ahead, an older one is rolled out again."},
     )
+    in_flight: str = field(
+        default="finish",
+        metadata={"help": "With async_rollouts, the rollouts in flight at a weight push: `finish` waits for them "
+                          "(they end on the weights they started with); `pause` freezes them on the vLLM server for "
+                          "the push (/pause) and lets them go on with the new weights, without the wait. `pause` "
+                          "needs generator vllm."},
+    )
 
     def __post_init__(self):
         if self.max_staleness < 1:
             raise ValueError(f"max_staleness={self.max_staleness}; expected >= 1 (0 is lock-step: set "
                              "async_rollouts false)")
+        if self.in_flight not in ("finish", "pause"):
+            raise ValueError(f"in_flight_rollouts={self.in_flight!r}; expected 'finish' or 'pause'")
 
 
 def check_recipe(args, deepspeed: bool) -> None:
     """ValueError for a recipe the asynchronous mode cannot run as the module docstring says."""
-    AsyncRolloutsConfig(args.async_rollouts, args.max_staleness)  # checks max_staleness
+    AsyncRolloutsConfig(args.async_rollouts, args.max_staleness, args.in_flight_rollouts)  # checks the knobs
+    if args.in_flight_rollouts == "pause" and args.generator != "vllm":
+        raise ValueError(f"in_flight_rollouts='pause' with generator={args.generator!r}: pausing rollouts for a push "
+                         "is vLLM's (/pause on the server); use generator='vllm' or in_flight_rollouts='finish'")
     if args.loss_type not in LINEAR_IN_ADVANTAGE_LOSSES:
         raise ValueError(f"async_rollouts with loss_type={args.loss_type!r}: the staleness correction weights the "
                          "advantages, which equals weighting the loss only for "
@@ -148,8 +164,8 @@ class RolloutPipeline:
         self.version = version
 
     def drain(self) -> None:
-        """Wait until no rollout is in flight: before a push, so they finish on the weights they started with, and
-        before a validation, which runs alone."""
+        """Wait until no rollout is in flight: before a push (``in_flight_rollouts="finish"``), so they finish on the
+        weights they started with, and before a validation, which runs alone."""
         start = time.perf_counter()
         concurrent.futures.wait([launched.future for launched in self._launched.values()])
         self.metrics["async/drain_s"].append(time.perf_counter() - start)

@@ -229,6 +229,7 @@ class SearchR1Config(GRPOConfig):
     # --- asynchronous rollouts (searchr1_trl/async_rollouts.py) ---
     async_rollouts: bool = knob("async_rollouts", "enabled")
     max_staleness: int = knob("async_rollouts", "max_staleness")
+    in_flight_rollouts: str = knob("async_rollouts", "in_flight")
 
     # --- generator ---
     generator: str = field(

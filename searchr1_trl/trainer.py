@@ -80,7 +80,7 @@ from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task, part_config
 from searchr1_trl.search_r1.data import QuestionBatches, SearchR1Sample, training_row
 from searchr1_trl.update import compile_decoder_layers, packed_forward, with_fp32_master_weights
-from searchr1_trl.weight_sync import weight_push
+from searchr1_trl.weight_sync import PausedPush, weight_push
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,8 @@ class SearchR1Trainer(GRPOTrainer):
             if args.generator == "transformers":
                 self.weight_push = async_rollouts.SnapshotPush(self.accelerator.unwrap_model(self.model))
                 self.engine.generator.model = self.weight_push.model
+            elif args.in_flight_rollouts == "pause":
+                self.weight_push = PausedPush(self.weight_push, self.accelerator, args.generator_url)
 
     # ---- policy update -----------------------------------------------------------------------------------------
 
@@ -305,7 +307,7 @@ class SearchR1Trainer(GRPOTrainer):
             return
         nccl = self.args.weight_sync == "nccl" and self.args.generator == "vllm"
         if nccl or self.state.global_step > 0 or self._synced_step >= 0:  # the server starts with step 0's weights
-            if self.pipeline is not None:
+            if self.pipeline is not None and self.args.in_flight_rollouts == "finish":
                 self.pipeline.drain()  # in-flight rollouts finish on the weights they started with
             start = time.perf_counter()
             self.weight_push.push(self.model)

@@ -205,7 +205,32 @@ def reload_weights(base_url: str, folder: str | os.PathLike, timeout_s: float = 
             "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
         )
         response.raise_for_status()
-        client.post("/reset_prefix_cache").raise_for_status()
+    reset_prefix_cache(base_url, timeout_s)
+
+
+def reset_prefix_cache(base_url: str, timeout_s: float = 300.0) -> None:
+    """Drop every KV block the server holds, also those of requests in flight: those are preempted and recompute
+    their KV when they are next scheduled (vLLM's ``reset_running_requests``), so after a push no token attends to
+    KV of the old weights. A server that keeps blocks anyway is an error, not a warning."""
+    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
+        response = client.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+        response.raise_for_status()
+    if response.json().get("success") is False:
+        raise RuntimeError(f"the vLLM server at {base_url} did not reset its prefix cache (blocks still held): KV "
+                           "computed with the old weights would be reused")
+
+
+def pause_generation(base_url: str, timeout_s: float = 300.0) -> None:
+    """Freeze the server's requests where they are (vLLM's ``POST /pause?mode=keep``): none is aborted, none is
+    scheduled until :func:`resume_generation`; new requests queue."""
+    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
+        client.post("/pause", params={"mode": "keep"}).raise_for_status()
+
+
+def resume_generation(base_url: str, timeout_s: float = 300.0) -> None:
+    """Let the requests :func:`pause_generation` froze go on (``POST /resume``)."""
+    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
+        client.post("/resume").raise_for_status()
 
 
 def register_cpu_alias(version: str = "0.28.0+cpu") -> Path:

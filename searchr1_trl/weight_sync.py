@@ -10,6 +10,8 @@ the same method, chosen in :func:`weight_push`:
 - :class:`ReloadPush` (``weight_sync="reload"``, works without CUDA): the policy saved as safetensors to a folder the
   server reloads in place (:func:`~searchr1_trl.vllm_server.reload_weights`), then deleted (on tmpfs it is memory).
   With PEFT only the decoder layers it trains are written, adapters merged in (:func:`save_for_reload`).
+- :class:`PausedPush` (``in_flight_rollouts="pause"`` of the asynchronous mode): either of the two into a server
+  whose requests stay in flight, frozen by vLLM's ``/pause`` for the push and resumed after it.
 
 **The sync folder is the pusher's**: it is replaced whole on every push, so a folder that holds anything a push did
 not write (no :data:`WEIGHT_SYNC_MARKER`) is refused, never deleted.
@@ -27,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from searchr1_trl.vllm_server import reload_weights
+from searchr1_trl.vllm_server import pause_generation, reload_weights, reset_prefix_cache, resume_generation
 
 WEIGHT_SYNC_MARKER = ".searchr1_weight_sync"  # in every weight-sync folder a push writes
 
@@ -68,6 +70,30 @@ class ReloadPush:
         state_dict = self.accelerator.get_state_dict(model)
         if self.accelerator.is_main_process:
             save_for_reload(self.accelerator.unwrap_model(model), state_dict, self.folder, self.dtype)
+
+
+class PausedPush:
+    """``inner``'s push into the server at ``server_url`` while its requests are in flight: ``/pause?mode=keep``
+    freezes them, ``inner`` loads the weights, the prefix cache is reset with the frozen requests preempted (they
+    recompute their KV with the new weights: no token attends to KV of the old ones) and ``/resume`` lets them go
+    on. Their tokens after the push come from the new weights; the behaviour log-probs vLLM returns per token are
+    those of the weights that sampled it, so the importance weight of the asynchronous mode stays exact."""
+
+    def __init__(self, inner: WeightPush, accelerator, server_url: str):
+        self.inner, self.accelerator, self.server_url = inner, accelerator, server_url
+
+    def push(self, model: torch.nn.Module) -> None:
+        main = self.accelerator.is_main_process
+        if main:
+            pause_generation(self.server_url)
+        try:
+            self.inner.push(model)
+            if main:
+                reset_prefix_cache(self.server_url)
+        finally:
+            if main:
+                resume_generation(self.server_url)
+        self.accelerator.wait_for_everyone()
 
 
 def weight_push(args, accelerator, vllm_generation=None) -> WeightPush:

@@ -11,6 +11,7 @@ import threading
 from collections import defaultdict
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from test_trainer import StopAfter, small_config
@@ -214,3 +215,68 @@ def test_an_async_run_trains_on_the_previous_steps_rollouts_and_resumes_on_the_s
     assert json.loads((checkpoint / STREAM_STATE_FILE).read_text())["cursor"] == 4
     _, resumed, _ = async_run(tiny_model_dir, questions_file, tmp_path / "killed", resume=str(checkpoint))
     assert killed + resumed == uninterrupted
+
+
+def test_recipes_that_cannot_pause_rollouts_in_flight_are_refused(tiny_model_dir, questions_file, tmp_path):
+    with pytest.raises(ValueError, match="in_flight_rollouts='later'; expected 'finish' or 'pause'"):
+        SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, async_rollouts=True,
+                                                                       in_flight_rollouts="later"))
+    with pytest.raises(ValueError, match="in_flight_rollouts='pause' with generator='transformers'"):
+        SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, async_rollouts=True,
+                                                                       in_flight_rollouts="pause",
+                                                                       generator="transformers"))
+
+
+class StreamedCompletion(threading.Thread):
+    """A greedy completion streamed from the server; ``started`` is set once ``after`` chunks have arrived."""
+
+    def __init__(self, base_url: str, model: str, prompt_ids: list[int], max_tokens: int, after: int = 3):
+        super().__init__(daemon=True)
+        self.request = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
+                        "stream": True, "ignore_eos": True}
+        self.base_url, self.after = base_url, after
+        self.started, self.chunks, self.finish_reason = threading.Event(), [], None
+
+    def run(self):
+        with httpx.Client(base_url=self.base_url, timeout=600) as client, \
+                client.stream("POST", "/v1/completions", json=self.request) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                self.chunks.append(choice["text"])
+                self.finish_reason = choice["finish_reason"] or self.finish_reason
+                if len(self.chunks) >= self.after:
+                    self.started.set()
+
+
+@pytest.mark.slow  # the offline model loaded, negated, written and reloaded twice: about a minute
+def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vllm_server, offline_assets, tokenizer,
+                                                                           tmp_path):
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from searchr1_trl.vllm_server import reload_weights
+    from searchr1_trl.weight_sync import PausedPush, ReloadPush
+
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the river Thames."}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    old = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
+    old.run()  # the old weights' greedy text, start to end
+    model = AutoModelForCausalLM.from_pretrained(offline_assets.model, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.neg_()  # the new weights: every logit negated, so greedy picks other tokens
+    accelerator = Accelerator(cpu=True)
+    push = PausedPush(ReloadPush(accelerator, vllm_server.base_url, tmp_path / "sync"), accelerator, vllm_server.base_url)
+    in_flight = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
+    in_flight.start()
+    try:
+        assert in_flight.started.wait(timeout=300), "the completion never started streaming"
+        push.push(model)
+        in_flight.join(timeout=600)
+    finally:
+        reload_weights(vllm_server.base_url, offline_assets.model)  # the server is shared: give it its weights back
+    before_push = "".join(in_flight.chunks[:in_flight.after])
+    assert in_flight.finish_reason == "length"  # neither aborted nor cut: all 48 tokens, across the push
+    assert "".join(old.chunks).startswith(before_push)  # what streamed before the pause: the old weights' tokens
+    assert "".join(in_flight.chunks) != "".join(old.chunks)  # after the resume the new weights chose the tokens
