@@ -13,8 +13,9 @@
 #   bash benchmarks/gpu_path.sh eval_table <gpu> <name> <checkpoint>...  # direct / rag / agent, 500 seeded questions
 #   bash benchmarks/gpu_path.sh performance    # one GPU, ~8 min: the retriever vs the one-request-at-a-time reference
 #                                              # on this host, its stages, and the policy update's MFU
-#   bash benchmarks/gpu_path.sh async_e2e <sync|async> [gpu]  # offline_gpu, 3 seeds side by side, lock-step or
-#                                              # async rollouts, into one table: $RUNS/async_e2e (run both modes)
+#   bash benchmarks/gpu_path.sh async_e2e <sync|async|pause> [gpu]  # offline_gpu, 3 seeds side by side, lock-step,
+#                                              # async rollouts, or async pausing in-flight rollouts for a push:
+#                                              # one table in $RUNS/async_e2e (run each mode)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source "${SEARCHR1_ENV_FILE:-$HOME/searchr1_env.sh}"
@@ -60,7 +61,8 @@ case "${1:?step}" in
     case "$mode" in
       sync) variant="sync=" ;;
       async) variant="async=--async_rollouts true --max_staleness 1" ;;
-      *) echo "async_e2e: mode $mode; expected sync or async" >&2; exit 2 ;;
+      pause) variant="pause=--async_rollouts true --max_staleness 1 --in_flight_rollouts pause" ;;
+      *) echo "async_e2e: mode $mode; expected sync, async or pause" >&2; exit 2 ;;
     esac
     python3 -m benchmarks.learning run --out "$RUNS/async_e2e" --seeds 0 1 2 --gpu "$gpu" --baseline sync \
       --variant "$variant" ${EAGER:+--eager} ;;
