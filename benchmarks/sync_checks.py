@@ -6,6 +6,8 @@ stop them: :func:`searchr1_trl.processes.owned_popen`).
   an NCCL pair).
 - ``reload``: the server on GPU 1 with CUDA graphs (vLLM's default), beside the trainer: the push that works on one
   GPU. The two servers' start-up times side by side show what graph capture costs.
+- ``ipc``: the same server (it has the CUDA IPC loader installed, ``--worker-extension-cls``), bf16 copies of the
+  weights shared with it through CUDA IPC: the one-GPU push without a file.
 
 Each check appends its row to ``--out``; the first that fails (log-probs beyond tolerance, a server that died under
 it) stops the run with its cause named. Server output goes to ``<log_dir>/vllm_gpu<N>.log``.
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from searchr1_trl.processes import run_reporting
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+from searchr1_trl.weight_sync import IPC_WORKER_EXTENSION
 
 TRAINER_GPU = "1"
 
@@ -44,21 +47,26 @@ class SyncCheck:
 CHECKS = (
     SyncCheck("nccl", server_gpu="0", port=8001, enforce_eager=True),
     SyncCheck("reload", server_gpu=TRAINER_GPU, port=8002, enforce_eager=False),
+    SyncCheck("ipc", server_gpu=TRAINER_GPU, port=8002, enforce_eager=False),  # the reload check's server
 )
 
 
 def server_config(check: SyncCheck, args: argparse.Namespace) -> VLLMServerConfig:
-    """The server of ``check``; 0.3 of its GPU, so the reload check's trainer fits beside it."""
+    """The server of ``check``; 0.3 of its GPU, so the trainer fits beside it; the one on the trainer's GPU with the
+    CUDA IPC loader installed."""
     return VLLMServerConfig(
         model=args.model, port=check.port, gpu_memory_utilization=0.3, enforce_eager=check.enforce_eager,
         startup_timeout_s=args.startup_timeout_s, log_file=str(Path(args.log_dir) / f"vllm_gpu{check.server_gpu}.log"),
-        env={"CUDA_VISIBLE_DEVICES": check.server_gpu})
+        env={"CUDA_VISIBLE_DEVICES": check.server_gpu},
+        worker_extension_cls=IPC_WORKER_EXTENSION if check.server_gpu == TRAINER_GPU else None)
 
 
 def check_command(check: SyncCheck, server: VLLMServerConfig, args: argparse.Namespace) -> list[str]:
-    """benchmarks.weight_sync pushing with ``check.sync`` into ``server`` (run on :data:`TRAINER_GPU`)."""
+    """benchmarks.weight_sync pushing with ``check.sync`` into ``server`` (run on :data:`TRAINER_GPU`); the IPC push
+    in bf16, what the server runs."""
     return [sys.executable, "-m", "benchmarks.weight_sync", "--model", args.model, "--sync", check.sync,
-            "--server_url", server.base_url, "--questions", args.questions, *(["--out", args.out] if args.out else [])]
+            "--server_url", server.base_url, "--questions", args.questions, *(["--out", args.out] if args.out else []),
+            *(["--push_dtype", "bfloat16"] if check.sync == "ipc" else [])]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,15 +88,18 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as servers:
         start = time.monotonic()
-        launched = []
-        for check, config in checks:  # both start up at once, so their start-up times compare
-            server = VLLMServer(config).launch()
-            servers.callback(server.stop)
-            launched.append((check, server))
-        for check, server in launched:
-            server.wait_until_healthy()
-            kind = "eager" if check.enforce_eager else "CUDA-graph"
-            print(f"{kind} server on GPU {check.server_gpu} healthy after {time.monotonic() - start:.0f}s", flush=True)
+        by_port = {}
+        for check, config in checks:  # both servers start up at once, so their start-up times compare
+            if check.port not in by_port:
+                by_port[check.port] = VLLMServer(config).launch()
+                servers.callback(by_port[check.port].stop)
+        for check, _ in checks:
+            if not by_port[check.port].healthy():
+                by_port[check.port].wait_until_healthy()
+                kind = "eager" if check.enforce_eager else "CUDA-graph"
+                print(f"{kind} server on GPU {check.server_gpu} healthy after {time.monotonic() - start:.0f}s",
+                      flush=True)
+        launched = [(check, by_port[check.port]) for check, _ in checks]
         for check, server in launched:
             # a server that dies under its check stops it at once, named with its log
             needs = {f"the vLLM server on GPU {check.server_gpu}": (server.process, server.config.log_file)}

@@ -7,7 +7,8 @@ weights after a push, and how long does the push take?
 3. One AdamW step (lr ``--lr``) raising the logprob of the completions, then a push: ``nccl`` (TRL's
    ``VLLMClient`` over NCCL: the trainer on another GPU than the server) or ``reload`` (safetensors to a tmpfs
    folder the server reloads: works with both on one GPU; ``--push_dtype bfloat16`` writes the weights rounded to
-   bf16, as the recipe's ``weight_sync_dtype: bfloat16`` does).
+   bf16, as the recipe's ``weight_sync_dtype: bfloat16`` does) or ``ipc`` (CUDA IPC handles of bf16 copies to a
+   server on the same GPU started with ``--worker-extension-cls searchr1_trl.weight_sync.IpcWeightLoader``).
 4. Both logprobs again: the gap after the push must stay within ``--tolerance`` (mean absolute, nats; bf16 kernels
    differ between vLLM and transformers), and the server's per-token change must follow the trainer's (correlation,
    same sign). Then ``--pushes`` timed pushes of the unchanged weights.
@@ -30,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.report import report
 from searchr1_trl.vllm_server import reload_weights
-from searchr1_trl.weight_sync import save_for_reload
+from searchr1_trl.weight_sync import IpcPush, save_for_reload
 
 
 def post(url: str, payload: dict) -> dict:
@@ -70,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--server_url", default="http://127.0.0.1:8001")
-    parser.add_argument("--sync", choices=["nccl", "reload"], required=True)
+    parser.add_argument("--sync", choices=["nccl", "reload", "ipc"], required=True)
     parser.add_argument("--sync_dir", default="/dev/shm/searchr1_weight_sync_check")
     parser.add_argument("--questions", required=True, help="parquet with a question column")
     parser.add_argument("--num_prompts", type=int, default=16)
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=0.05, help="mean |server - trainer| logprob, nats")
     parser.add_argument("--pushes", type=int, default=3)
     parser.add_argument("--push_dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="dtype of the weights a reload push writes (nccl pushes the model's own)")
+                        help="dtype of the weights a reload or ipc push sends (nccl pushes the model's own)")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -98,7 +99,11 @@ def main() -> None:
     server_before = flat(server_logprobs(args.server_url, served, sequences, lengths))
     trainer_before = flat(trainer_logprobs(model, sequences, lengths))
 
-    client = None
+    client = ipc = None
+    if args.sync == "ipc":
+        from accelerate import Accelerator
+
+        ipc = IpcPush(Accelerator(), args.server_url, args.push_dtype)
     if args.sync == "nccl":
         from trl.generation.vllm_client import VLLMClient
 
@@ -112,6 +117,8 @@ def main() -> None:
         if client is not None:
             client.update_model_params(model)
             client.reset_prefix_cache()
+        elif ipc is not None:
+            ipc.push(model)
         else:
             folder = Path(args.sync_dir)
             save_for_reload(model, None, folder, getattr(torch, args.push_dtype))
@@ -145,9 +152,9 @@ def main() -> None:
     moved = trainer_delta.abs() > 2 * args.tolerance
     row = {
         "benchmark": "weight_sync", "sync": args.sync, "model": Path(args.model).name,
-        "push_dtype": args.push_dtype if args.sync == "reload" else str(next(model.parameters()).dtype),
+        "push_dtype": args.push_dtype if args.sync != "nccl" else str(next(model.parameters()).dtype),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "bytes_pushed": sum(p.numel() * (2 if args.sync == "reload" and args.push_dtype == "bfloat16"
+        "bytes_pushed": sum(p.numel() * (2 if args.sync != "nccl" and args.push_dtype == "bfloat16"
                                          else p.element_size()) for p in model.parameters()),
         "tokens_compared": len(trainer_before), "tolerance_nats": args.tolerance,
         "gap_before_mean": round(gap_before.mean().item(), 4), "gap_before_max": round(gap_before.max().item(), 4),

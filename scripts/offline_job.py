@@ -42,6 +42,7 @@ from searchr1_trl.assets import corpus_slice, prepare
 from searchr1_trl.engine.generation import resolve_generator  # not recipe: the job needs no torch or trl
 from searchr1_trl.processes import run_reporting
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+from searchr1_trl.weight_sync import IPC_WORKER_EXTENSION
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("offline_job")
@@ -170,7 +171,7 @@ def main() -> None:
     parser.add_argument("--retriever_port", type=int, default=8000)
     parser.add_argument("--generator_port", type=int, default=8001)
     parser.add_argument("--generator", choices=["vllm", "transformers"], help="override the recipe's generator")
-    parser.add_argument("--weight_sync", choices=["reload", "nccl"], help="override the recipe's weight_sync")
+    parser.add_argument("--weight_sync", choices=["reload", "nccl", "ipc"], help="override the recipe's weight_sync")
     parser.add_argument("--generator_gpu", help="CUDA_VISIBLE_DEVICES of the vLLM server")
     parser.add_argument("--trainer_gpu", help="CUDA_VISIBLE_DEVICES of the trainer")
     parser.add_argument("--retriever_gpu", help="CUDA_VISIBLE_DEVICES of the retriever; set: search on that GPU")
@@ -194,6 +195,10 @@ def main() -> None:
 
     recipe = yaml.safe_load((ROOT / "configs" / f"{args.config}.yaml").read_text())
     uses_vllm = (args.generator or resolve_generator(recipe.get("generator", "vllm"))) == "vllm"
+    weight_sync = args.weight_sync or recipe.get("weight_sync", "reload")
+    if uses_vllm and weight_sync == "ipc" and args.generator_gpu != args.trainer_gpu:
+        parser.error(f"--weight_sync ipc pushes to a server on the trainer's own GPU; got --generator_gpu "
+                     f"{args.generator_gpu} and --trainer_gpu {args.trainer_gpu}")
     assets = prepare()
     if args.dry_run:
         data = {"corpus": assets.corpus, "train": assets.train_questions, "test": assets.test_questions}
@@ -207,7 +212,8 @@ def main() -> None:
         data["model"], port=args.generator_port, log_file=str(out / "vllm.log"),
         gpu_memory_utilization=args.generator_gpu_memory_utilization, env=gpu_env(args.generator_gpu),
         **({"enforce_eager": True} if args.generator_enforce_eager else {}),
-        **({"gpu_kv_cache_gib": args.generator_kv_cache_gib} if args.generator_kv_cache_gib else {}))
+        **({"gpu_kv_cache_gib": args.generator_kv_cache_gib} if args.generator_kv_cache_gib else {}),
+        **({"worker_extension_cls": IPC_WORKER_EXTENSION} if weight_sync == "ipc" else {}))
     retriever = RetrieverProcess(
         index_path=str(index), corpus_path=data["corpus"], retriever_model=assets.embedder, port=args.retriever_port,
         log_file=str(out / "retriever.log"), env=gpu_env(args.retriever_gpu),

@@ -118,11 +118,11 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
             raise PlanError(str(error)) from None
     if not check_machine:
         return
-    if args.weight_sync == "nccl" and args.generator == "vllm":
+    if args.weight_sync in ("nccl", "ipc") and args.generator == "vllm":
         import torch
 
         if not torch.cuda.is_available():
-            raise PlanError("weight_sync=nccl needs CUDA: use weight_sync=reload on this machine")
+            raise PlanError(f"weight_sync={args.weight_sync} needs CUDA: use weight_sync=reload on this machine")
     try:  # health and a probe query: a server that is up but cannot search would fail every search of the run
         check_retriever(args.search_url, args.topk)
     except ValueError as error:

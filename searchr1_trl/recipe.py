@@ -239,13 +239,16 @@ class SearchR1Config(GRPOConfig):
     )
     weight_sync: str = field(
         default="reload",
-        metadata={"help": "`reload`: save safetensors, server reloads them (no CUDA needed); `nccl`: TRL's NCCL path."},
+        metadata={"help": "`reload`: save safetensors, server reloads them (no CUDA needed); `nccl`: TRL's NCCL path "
+                          "(server on other GPUs); `ipc`: CUDA IPC handles to a server on the trainer's own GPU, "
+                          "started with --worker-extension-cls searchr1_trl.weight_sync.IpcWeightLoader."},
     )
     weight_sync_dir: str | None = field(default=None, metadata={"help": "Folder for `reload` (shared with server)."})
     weight_sync_dtype: str | None = field(
         default=None,
-        metadata={"help": "`reload` only: write the pushed weights in this dtype (e.g. bfloat16, what a GPU server "
-                          "runs: half the bytes of fp32 master weights); None: the trainer's dtype."},
+        metadata={"help": "`reload` and `ipc`: push the weights in this dtype (e.g. bfloat16, what a GPU server "
+                          "runs: half the bytes of fp32 master weights); None: the trainer's dtype for reload, "
+                          "bfloat16 for ipc."},
     )
     generator_max_concurrency: int = knob("vllm_generator", "max_concurrency")
     generator_timeout_s: float = knob("vllm_generator", "timeout_s")
@@ -256,12 +259,13 @@ class SearchR1Config(GRPOConfig):
         if not 0 <= self.max_failed_search_fraction <= 1:
             raise ValueError(f"max_failed_search_fraction={self.max_failed_search_fraction!r}; expected a fraction "
                              "in [0, 1]")
-        if self.weight_sync not in ("reload", "nccl"):
-            raise ValueError(f"weight_sync={self.weight_sync!r}; expected 'reload' or 'nccl'")
+        if self.weight_sync not in ("reload", "nccl", "ipc"):
+            raise ValueError(f"weight_sync={self.weight_sync!r}; expected 'reload', 'nccl' or 'ipc'")
         if self.weight_sync_dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(f"weight_sync_dtype={self.weight_sync_dtype!r}; expected bfloat16, float16 or float32")
-        if self.weight_sync_dtype and (self.generator != "vllm" or self.weight_sync != "reload"):
-            logger.warning("weight_sync_dtype=%s applies to reload pushes to a vLLM server only; with generator=%s and "
+        if self.weight_sync_dtype and (self.generator != "vllm" or self.weight_sync == "nccl"):
+            logger.warning("weight_sync_dtype=%s applies to reload and ipc pushes to a vLLM server only; with "
+                           "generator=%s and "
                            "weight_sync=%s the generator gets the weights as the trainer holds them",
                            self.weight_sync_dtype, self.generator, self.weight_sync)
         for name, (needed, instead) in TRAINER_OWNED.items():

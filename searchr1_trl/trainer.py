@@ -123,6 +123,11 @@ class SearchR1Trainer(GRPOTrainer):
             self.add_callback(self.collapse_guard)
         self.engine = RolloutEngine(self.processing_class, self.task.generator(self.model, self.processing_class),
                                     self.envs, self.task.rollout)
+        if args.generator == "vllm" and args.weight_sync == "ipc" and (
+                self.accelerator.num_processes > 1 or self.is_deepspeed_enabled):
+            raise ValueError("weight_sync='ipc' pushes from one trainer process without DeepSpeed to a server on its "
+                             f"GPU (here {self.accelerator.num_processes} processes, DeepSpeed "
+                             f"{self.is_deepspeed_enabled}); use weight_sync='nccl'")
         self.weight_push = (weight_push(args, self.accelerator, getattr(self, "vllm_generation", None))
                             if args.generator == "vllm" else None)
         self.pipeline: async_rollouts.RolloutPipeline | None = None  # made with the dataloader, under async_rollouts

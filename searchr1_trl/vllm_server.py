@@ -72,6 +72,11 @@ class VLLMServerConfig:
                           "on 2 idle cores: 7.7-8.1 s vs 12.5-13.3 s; slower when other work takes a core). "
                           "benchmarks/probes/vllm_cpu_memory.py."},
     )
+    worker_extension_cls: str | None = field(
+        default=None,
+        metadata={"help": "vLLM's --worker-extension-cls: methods added to its workers, reached through "
+                          "/collective_rpc; `searchr1_trl.weight_sync.IpcWeightLoader` for weight_sync ipc."},
+    )
     startup_timeout_s: float = field(default=600.0, metadata={"help": "How long to wait for /health."})
     log_file: str | None = field(default=None, metadata={"help": "Where the server's output goes (default: inherit)."})
     env: dict[str, str] = field(
@@ -102,8 +107,9 @@ class VLLMServerConfig:
             *(["--enforce_eager", "true"] if self.enforce_eager else []),
             *(["--distributed_executor_backend", self.distributed_executor_backend]
               if self.distributed_executor_backend else []),
-            # vLLM's own flag, which trl vllm-serve passes on
+            # vLLM's own flags, which trl vllm-serve passes on
             *(["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))] if kv_cache_gib else []),
+            *(["--worker-extension-cls", self.worker_extension_cls] if self.worker_extension_cls else []),
         ]
 
 

@@ -10,6 +10,9 @@ the same method, chosen in :func:`weight_push`:
 - :class:`ReloadPush` (``weight_sync="reload"``, works without CUDA): the policy saved as safetensors to a folder the
   server reloads in place (:func:`~searchr1_trl.vllm_server.reload_weights`), then deleted (on tmpfs it is memory).
   With PEFT only the decoder layers it trains are written, adapters merged in (:func:`save_for_reload`).
+- :class:`IpcPush` (``weight_sync="ipc"``, a vLLM server on the trainer's own GPU): CUDA IPC handles of the policy's
+  weights, cast to the server's dtype on the GPU, opened in place by the server's workers (:class:`IpcWeightLoader`,
+  installed with ``--worker-extension-cls``): no copy through host memory or a file.
 - :class:`PausedPush` (``in_flight_rollouts="pause"`` of the asynchronous mode): either of the two into a server
   whose requests stay in flight, frozen by vLLM's ``/pause`` for the push and resumed after it.
 
@@ -19,7 +22,9 @@ not write (no :data:`WEIGHT_SYNC_MARKER`) is refused, never deleted.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import pickle
 import re
 import shutil
 import tempfile
@@ -27,11 +32,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
+import httpx
 import torch
 
 from searchr1_trl.vllm_server import pause_generation, reload_weights, reset_prefix_cache, resume_generation
 
 WEIGHT_SYNC_MARKER = ".searchr1_weight_sync"  # in every weight-sync folder a push writes
+IPC_WORKER_EXTENSION = "searchr1_trl.weight_sync.IpcWeightLoader"  # the server's --worker-extension-cls for ipc
 
 
 class WeightPush(Protocol):
@@ -72,6 +79,75 @@ class ReloadPush:
             save_for_reload(self.accelerator.unwrap_model(model), state_dict, self.folder, self.dtype)
 
 
+class IpcPush:
+    """The policy to a vLLM server on the same GPU through CUDA IPC: its weights cast to ``dtype`` (what the server
+    runs) into GPU tensors of their own, whose IPC handles the server's workers open and load
+    (:class:`IpcWeightLoader`, over ``/collective_rpc``); the copies are freed once the server has loaded them. For
+    one trainer process without DeepSpeed (the one-GPU recipes); the server needs
+    ``--worker-extension-cls`` :data:`IPC_WORKER_EXTENSION` (``VLLMServerConfig.worker_extension_cls``)."""
+
+    def __init__(self, accelerator, server_url: str, dtype: str | None = "bfloat16", timeout_s: float = 300.0):
+        self.accelerator, self.server_url, self.timeout_s = accelerator, server_url, timeout_s
+        self.dtype = getattr(torch, dtype) if dtype else None
+
+    @torch.no_grad()
+    def push(self, model: torch.nn.Module) -> None:
+        with contextlib.ExitStack() as stack:
+            _, state_dict = pushed_state_dict(stack, self.accelerator.unwrap_model(model), None)
+            copies = {name: tensor.detach().to(self.dtype or tensor.dtype, copy=True).contiguous()
+                      for name, tensor in state_dict.items()}
+        payload = ipc_payload(copies)
+        torch.cuda.synchronize()  # the copies are written before the server reads them
+        with httpx.Client(base_url=self.server_url, timeout=self.timeout_s) as client:
+            response = client.post("/collective_rpc", json={"method": "load_ipc_weights", "args": [payload]})
+            response.raise_for_status()
+        body = response.json() if response.content else {}
+        errors = [r for r in body.get("results", []) if isinstance(r, dict) and r.get("error")]
+        if errors:
+            raise RuntimeError(f"the vLLM server at {self.server_url} did not load the pushed weights: "
+                               f"{errors[0]['error']}")
+        reset_prefix_cache(self.server_url, self.timeout_s)
+        del copies
+        torch.cuda.ipc_collect()
+
+
+def ipc_payload(tensors: dict[str, torch.Tensor]) -> str:
+    """``tensors`` (CUDA) as the string :meth:`IpcWeightLoader.load_ipc_weights` reads: this GPU's UUID and each
+    tensor's name with its CUDA IPC handle (``torch.multiprocessing``'s ``reduce_tensor``), pickled, base64."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    gpu = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    handles = [(name, reduce_tensor(tensor)[1]) for name, tensor in tensors.items()]
+    return base64.b64encode(pickle.dumps({"gpu": gpu, "tensors": handles})).decode()
+
+
+class IpcWeightLoader:
+    """A vLLM worker extension (``--worker-extension-cls searchr1_trl.weight_sync.IpcWeightLoader``): loads weights
+    an :class:`IpcPush` shares through CUDA IPC. Errors come back as ``{"error": ...}`` (the pusher raises them) so a
+    bad push never takes the engine down with it."""
+
+    def load_ipc_weights(self, payload: str) -> dict | None:
+        device = getattr(self, "device", None)
+        if device is None or device.type != "cuda":
+            return {"error": f"weight_sync='ipc' needs a CUDA vLLM worker; this one runs on {device}: use "
+                             "weight_sync='reload'"}
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        shared = pickle.loads(base64.b64decode(payload))
+        here = str(torch.cuda.get_device_properties(device).uuid)
+        if shared["gpu"] != here:
+            return {"error": f"the trainer's weights are on GPU {shared['gpu']} and this worker runs on {here}: CUDA "
+                             "IPC pushes to a server on the trainer's own GPU; use weight_sync='nccl' across GPUs"}
+        weights = []
+        for name, args in shared["tensors"]:
+            args = list(args)
+            args[6] = device.index  # reduce_tensor's device index, in this process's numbering
+            weights.append((name, rebuild_cuda_tensor(*args)))
+        self.model_runner.model.load_weights(weights=weights)
+        torch.cuda.synchronize(device)
+        return None
+
+
 class PausedPush:
     """``inner``'s push into the server at ``server_url`` while its requests are in flight: ``/pause?mode=keep``
     freezes them, ``inner`` loads the weights, the prefix cache is reset with the frozen requests preempted (they
@@ -104,6 +180,8 @@ def weight_push(args, accelerator, vllm_generation=None) -> WeightPush:
             raise ValueError(f"weight_sync='nccl' needs TRL's vLLM client (use_vllm with generator='vllm'), got "
                              f"generator={args.generator!r}")
         return NcclPush(vllm_generation)
+    if args.weight_sync == "ipc":
+        return IpcPush(accelerator, args.generator_url, args.weight_sync_dtype or "bfloat16")
     return ReloadPush(accelerator, args.generator_url, reload_folder(args), args.weight_sync_dtype)
 
 
@@ -120,17 +198,24 @@ def save_for_reload(model: torch.nn.Module, state_dict: dict | None, folder: Pat
     check_sync_folder_is_ours(folder)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent if folder.parent.exists() else None))
     with contextlib.ExitStack() as stack:
-        if hasattr(model, "merge_and_unload"):  # PEFT: ship the layers it trains, with the adapter merged in
-            state_dict = _layers_with_trainable_parameters(stack.enter_context(_merged_peft_state_dict(model)), model)
-            model = model.get_base_model()
-        if state_dict is None:
-            state_dict = model.state_dict()
+        model, state_dict = pushed_state_dict(stack, model, state_dict)
         if dtype is not None:
             state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     (tmp / WEIGHT_SYNC_MARKER).write_text("written by searchr1_trl.weight_sync.save_for_reload\n")
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
+
+
+def pushed_state_dict(stack: contextlib.ExitStack, model: torch.nn.Module,
+                      state_dict: dict | None) -> tuple[torch.nn.Module, dict]:
+    """What a push ships, valid while ``stack`` is open: ``state_dict`` (None: the model's own), or with PEFT the
+    decoder layers it trains, adapters merged in (:func:`_layers_with_trainable_parameters`), beside the model whose
+    names they carry (the base model under PEFT)."""
+    if hasattr(model, "merge_and_unload"):  # PEFT: ship the layers it trains, with the adapter merged in
+        state_dict = _layers_with_trainable_parameters(stack.enter_context(_merged_peft_state_dict(model)), model)
+        model = model.get_base_model()
+    return model, model.state_dict() if state_dict is None else state_dict
 
 
 def check_sync_folder_is_ours(folder: Path) -> None:

@@ -134,12 +134,15 @@ def squad_dev_sample(offline_assets):
 
 @pytest.fixture(scope="session")
 def vllm_server(offline_assets, tmp_path_factory):
-    """A real `trl vllm-serve` on CPU serving the offline Qwen2.5-Coder-0.5B-Instruct."""
+    """A real `trl vllm-serve` on CPU serving the offline Qwen2.5-Coder-0.5B-Instruct (with the CUDA IPC weight
+    loader installed, whose CPU refusal a test checks)."""
     from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+    from searchr1_trl.weight_sync import IPC_WORKER_EXTENSION
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     config = VLLMServerConfig.for_this_machine(offline_assets.model, port=free_port(), max_model_len=4096,
-                                               log_file=str(log), startup_timeout_s=1200)
+                                               log_file=str(log), startup_timeout_s=1200,
+                                               worker_extension_cls=IPC_WORKER_EXTENSION)
     with VLLMServer(config) as server:
         yield server
 

@@ -267,7 +267,8 @@ def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vll
     with torch.no_grad():
         model.model.norm.weight.neg_()  # the new weights: every logit negated, so greedy picks other tokens
     accelerator = Accelerator(cpu=True)
-    push = PausedPush(ReloadPush(accelerator, vllm_server.base_url, tmp_path / "sync"), accelerator, vllm_server.base_url)
+    reload = ReloadPush(accelerator, vllm_server.base_url, tmp_path / "sync")
+    push = PausedPush(reload, accelerator, vllm_server.base_url)
     in_flight = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
     in_flight.start()
     try:

@@ -45,3 +45,20 @@ def test_a_recipe_without_vllm_starts_no_generator_server(offline_assets):
     assert commands["generator"] is None
     args = commands["trainer"]["command"]
     assert args[args.index("--generator") + 1] == "transformers"
+
+
+def test_an_ipc_plan_serves_on_the_trainers_gpu_with_the_ipc_loader_and_refuses_two_gpus(offline_assets):
+    commands = plan("--config", "offline_gpu", "--corpus", "full", "--generator", "vllm", "--weight_sync", "ipc",
+                    "--generator_gpu", "0", "--trainer_gpu", "0")
+    generator = commands["generator"]["command"]
+    assert generator[generator.index("--worker-extension-cls") + 1] == "searchr1_trl.weight_sync.IpcWeightLoader"
+    args = commands["trainer"]["command"]
+    assert args[args.index("--weight_sync") + 1] == "ipc"
+    plain = plan("--config", "offline_gpu", "--generator", "vllm")["generator"]["command"]
+    assert "--worker-extension-cls" not in plain
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--dry_run", "--config",
+                              "offline_gpu", "--generator", "vllm", "--weight_sync", "ipc", "--generator_gpu", "0",
+                              "--trainer_gpu", "1"], capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode == 2
+    assert "--weight_sync ipc pushes to a server on the trainer's own GPU; got --generator_gpu 0 and --trainer_gpu 1" \
+        in refused.stderr

@@ -73,7 +73,7 @@ def test_weight_sync_dtype_is_checked_and_a_push_it_does_not_apply_to_is_named(c
     with caplog.at_level("WARNING", logger="searchr1_trl.recipe"):
         args = parse_recipe("offline_gpu", "--generator", "vllm", "--weight_sync", "nccl")[0]
     assert args.weight_sync_dtype == "bfloat16"
-    assert "applies to reload pushes to a vLLM server only" in caplog.text and "weight_sync=nccl" in caplog.text
+    assert "applies to reload and ipc pushes to a vLLM server only" in caplog.text and "weight_sync=nccl" in caplog.text
 
 
 def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):

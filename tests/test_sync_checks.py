@@ -30,6 +30,15 @@ def test_the_nccl_push_crosses_gpus_and_the_reload_push_shares_the_trainers(caps
     assert flag(nccl["server"]["command"], "--port") != flag(reload["server"]["command"], "--port")
 
 
+def test_the_ipc_push_goes_to_the_server_on_the_trainers_gpu_which_has_the_ipc_loader(capsys):
+    checks = plan(capsys)
+    ipc, reload, nccl = checks["ipc"], checks["reload"], checks["nccl"]
+    assert ipc["server"] == reload["server"] and ipc["server"]["env"] == ipc["check"]["env"]
+    assert flag(ipc["server"]["command"], "--worker-extension-cls") == "searchr1_trl.weight_sync.IpcWeightLoader"
+    assert "--worker-extension-cls" not in nccl["server"]["command"]
+    assert flag(ipc["check"]["command"], "--push_dtype") == "bfloat16"
+
+
 def test_one_server_runs_eager_and_one_with_cuda_graphs_so_their_start_up_times_compare(capsys):
     checks = plan(capsys)
     assert flag(checks["nccl"]["server"]["command"], "--enforce_eager") == "true"

@@ -36,3 +36,15 @@ def test_starting_a_server_on_a_port_another_server_answers_on_fails_before_laun
         server.start()
     other.shutdown()
     assert server.process is None  # nothing was launched
+
+
+def test_the_ipc_weight_loader_is_reached_through_the_server_and_refuses_a_cpu_worker_in_words(vllm_server,
+                                                                                              offline_assets):
+    response = httpx.post(f"{vllm_server.base_url}/collective_rpc",
+                          json={"method": "load_ipc_weights", "args": ["unused"]}, timeout=300)
+    response.raise_for_status()
+    assert response.json() == {"results": [{"error": "weight_sync='ipc' needs a CUDA vLLM worker; this one runs on "
+                                                     "cpu: use weight_sync='reload'"}]}
+    completion = httpx.post(f"{vllm_server.base_url}/v1/completions", timeout=300,
+                            json={"model": offline_assets.model, "prompt": "Paris is", "max_tokens": 2})
+    assert completion.status_code == 200  # a refused push leaves the server serving
