@@ -14,8 +14,9 @@ What this subclass decides, and nothing more:
 - **Rewards** are the :class:`~searchr1_trl.search_r1.rubric.Rubric`, a plain TRL reward function that scores each
   rollout (handed on by ``rollout_func``) from its own sample.
 - **Generator weights** are pushed once per optimizer step, before its rollouts or a validation, by the
-  :mod:`searchr1_trl.weight_sync` push the recipe names (TRL's NCCL path or a safetensors folder the vLLM server
-  reloads). The in-process generator (``generator="transformers"``) uses the live model, no sync.
+  :mod:`searchr1_trl.weight_sync` push the recipe names (TRL's NCCL path, a safetensors folder the vLLM server
+  reloads, or CUDA IPC to a server on the same GPU). The in-process generator (``generator="transformers"``) uses
+  the live model, no sync.
 - **Validation** is greedy rollouts over a fixed held-out slice, logged as EM overall and per data source.
 - **Asynchronous rollouts** (``async_rollouts``, off by default; :mod:`searchr1_trl.async_rollouts`): the next
   ``max_staleness`` steps' rollouts generate on the rollout loop, run in a background thread, while the trainer
@@ -41,10 +42,9 @@ fails, naming the entry, when the installed versions are not the pinned ones or 
 - ``trl.GRPOTrainer._get_per_token_logps_and_entropies``: overridden, packs the rows for ``padding_free``.
 - ``trl.GRPOTrainer._generate``: overridden, pushes the weights first, so TRL's own NCCL push finds them loaded.
 - ``trl.GRPOTrainer._generate_and_score_completions``: overridden, reads each row's sample for ``rollout_func``,
-  drops equal-reward groups and weights rollouts of older weights (``async_rollouts``).
+  drops groups without reward spread (``drop_equal_reward_groups``) from the loss mask and the token count it
+  returns, and weights rollouts of older weights (``async_rollouts``).
 - ``transformers.Trainer._save_checkpoint``: overridden, stream state first, completeness marker last, rotation after.
-- ``trl.GRPOTrainer._generate_and_score_completions``: overridden, drops groups without reward spread
-  (``drop_equal_reward_groups``) from the loss mask and the token count it returns.
 - ``transformers.Trainer._determine_best_metric``: called, ranks the step-0 validation as a best candidate.
 - ``transformers.Trainer._get_output_dir``: called, the run folder a checkpoint goes to.
 - ``transformers.trainer.rotate_checkpoints``: called, once the marker is written.
@@ -311,7 +311,10 @@ class SearchR1Trainer(GRPOTrainer):
         if self.weight_push is None or self._synced_step == self.state.global_step:
             return
         nccl = self.args.weight_sync == "nccl" and self.args.generator == "vllm"
-        if nccl or self.state.global_step > 0 or self._synced_step >= 0:  # the server starts with step 0's weights
+        # A reload server holds step 0's weights already (the warm start reloads it itself); over NCCL or IPC the
+        # first push is what gives it the warm-started ones.
+        pushes_step_0 = self.args.weight_sync in ("nccl", "ipc") and self.args.generator == "vllm"
+        if pushes_step_0 or self.state.global_step > 0 or self._synced_step >= 0:
             if self.pipeline is not None and self.args.in_flight_rollouts == "finish":
                 self.pipeline.drain()  # in-flight rollouts finish on the weights they started with
             start = time.perf_counter()
