@@ -2,9 +2,10 @@
 # The GPU production path as run on an nvidia-h200-x2 machine (docs/results/history.md, "GPU production path"), after
 # `bash scripts/gpu_setup.sh <pieces>` there. Each step writes under $RUNS (default ~/runs) and is one command:
 # EAGER=1 bash benchmarks/gpu_path.sh learn_x2: servers without CUDA graphs.
-#   bash benchmarks/gpu_path.sh sync_checks    # vLLM 0.26 on GPU 0 and 1; NCCL push (trainer GPU 1 -> server GPU 0)
-#                                              # and tmpfs reload push (trainer and server on GPU 1): logprob checks
-#                                              # (benchmarks/sync_checks.py, which starts and stops the servers)
+#   bash benchmarks/gpu_path.sh sync_checks    # vLLM 0.26 on GPU 0 and 1; NCCL push (trainer GPU 1 -> server GPU 0),
+#                                              # tmpfs reload and CUDA IPC pushes (trainer and server on GPU 1):
+#                                              # logprob checks (benchmarks/sync_checks.py, which starts the servers)
+#   bash benchmarks/gpu_path.sh sync_checks_1gpu  # the reload and IPC checks on GPU 0 of a one-GPU host
 #   bash benchmarks/gpu_path.sh learn_x2       # offline_gpu, generator GPU 0, trainer GPU 1 (accelerate), NCCL
 #   bash benchmarks/gpu_path.sh learn_1gpu     # offline_gpu as committed (vLLM beside the trainer, tmpfs reload) on
 #                                              # GPU 0, and the same on GPU 1 validated on the first 200 dev rows
@@ -31,6 +32,9 @@ case "${1:?step}" in
   sync_checks)
     python3 -m benchmarks.sync_checks --model "$MODEL" --questions "$CACHE/data/squad_open/test.parquet" \
       --out "$RUNS/weight_sync.jsonl" --log_dir "$RUNS" ;;
+  sync_checks_1gpu)
+    python3 -m benchmarks.sync_checks --model "$MODEL" --questions "$CACHE/data/squad_open/test.parquet" \
+      --out "$RUNS/weight_sync.jsonl" --log_dir "$RUNS" --checks reload ipc --trainer_gpu 0 ;;
   learn_x2)
     python3 scripts/offline_job.py --config offline_gpu --corpus full --output_dir "$RUNS/learn_x2" \
       --generator vllm --weight_sync nccl --generator_gpu 0 --trainer_gpu 1 --retriever_gpu 1 --launcher accelerate \

@@ -14,6 +14,7 @@ it) stops the run with its cause named. Server output goes to ``<log_dir>/vllm_g
 
     python -m benchmarks.sync_checks --model M --questions test.parquet --out runs/weight_sync.jsonl
     python -m benchmarks.sync_checks --model M --questions test.parquet --dry_run   # the commands, as JSON
+    python -m benchmarks.sync_checks --model M --questions test.parquet --checks reload ipc --trainer_gpu 0  # 1 GPU
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from searchr1_trl.processes import run_reporting
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 from searchr1_trl.weight_sync import IPC_WORKER_EXTENSION
 
-TRAINER_GPU = "1"
-
 
 @dataclass(frozen=True)
 class SyncCheck:
@@ -44,11 +43,13 @@ class SyncCheck:
     enforce_eager: bool
 
 
-CHECKS = (
-    SyncCheck("nccl", server_gpu="0", port=8001, enforce_eager=True),
-    SyncCheck("reload", server_gpu=TRAINER_GPU, port=8002, enforce_eager=False),
-    SyncCheck("ipc", server_gpu=TRAINER_GPU, port=8002, enforce_eager=False),  # the reload check's server
-)
+def sync_checks(args: argparse.Namespace) -> list[SyncCheck]:
+    """The checks ``--checks`` names: NCCL against a server on ``--nccl_server_gpu``, reload and IPC against one
+    server on ``--trainer_gpu`` (``--checks reload ipc --trainer_gpu 0`` on a one-GPU host)."""
+    every = {"nccl": SyncCheck("nccl", server_gpu=args.nccl_server_gpu, port=8001, enforce_eager=True),
+             "reload": SyncCheck("reload", server_gpu=args.trainer_gpu, port=8002, enforce_eager=False),
+             "ipc": SyncCheck("ipc", server_gpu=args.trainer_gpu, port=8002, enforce_eager=False)}
+    return [every[name] for name in args.checks]
 
 
 def server_config(check: SyncCheck, args: argparse.Namespace) -> VLLMServerConfig:
@@ -58,11 +59,11 @@ def server_config(check: SyncCheck, args: argparse.Namespace) -> VLLMServerConfi
         model=args.model, port=check.port, gpu_memory_utilization=0.3, enforce_eager=check.enforce_eager,
         startup_timeout_s=args.startup_timeout_s, log_file=str(Path(args.log_dir) / f"vllm_gpu{check.server_gpu}.log"),
         env={"CUDA_VISIBLE_DEVICES": check.server_gpu},
-        worker_extension_cls=IPC_WORKER_EXTENSION if check.server_gpu == TRAINER_GPU else None)
+        worker_extension_cls=IPC_WORKER_EXTENSION if check.server_gpu == args.trainer_gpu else None)
 
 
 def check_command(check: SyncCheck, server: VLLMServerConfig, args: argparse.Namespace) -> list[str]:
-    """benchmarks.weight_sync pushing with ``check.sync`` into ``server`` (run on :data:`TRAINER_GPU`); the IPC push
+    """benchmarks.weight_sync pushing with ``check.sync`` into ``server`` (run on ``--trainer_gpu``); the IPC push
     in bf16, what the server runs."""
     return [sys.executable, "-m", "benchmarks.weight_sync", "--model", args.model, "--sync", check.sync,
             "--server_url", server.base_url, "--questions", args.questions, *(["--out", args.out] if args.out else []),
@@ -76,10 +77,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="JSONL file each check appends its row to")
     parser.add_argument("--log_dir", default="runs", help="where the servers' logs go")
     parser.add_argument("--startup_timeout_s", type=float, default=300.0, help="how long to wait for each server")
+    parser.add_argument("--checks", nargs="+", choices=["nccl", "reload", "ipc"], default=["nccl", "reload", "ipc"])
+    parser.add_argument("--trainer_gpu", default="1", help="the trainer's GPU, and the reload and IPC server's")
+    parser.add_argument("--nccl_server_gpu", default="0", help="the NCCL check's server GPU (not the trainer's)")
     parser.add_argument("--dry_run", action="store_true", help="print the servers' and checks' commands and exit")
     args = parser.parse_args(argv)
-    checks = [(check, server_config(check, args)) for check in CHECKS]
-    trainer_env = {"CUDA_VISIBLE_DEVICES": TRAINER_GPU}
+    if "nccl" in args.checks and args.nccl_server_gpu == args.trainer_gpu:
+        parser.error("the nccl check needs the server on another GPU than the trainer (two processes on one GPU "
+                     "cannot form an NCCL pair): set --nccl_server_gpu, or leave nccl out of --checks")
+    checks = [(check, server_config(check, args)) for check in sync_checks(args)]
+    trainer_env = {"CUDA_VISIBLE_DEVICES": args.trainer_gpu}
     if args.dry_run:
         print(json.dumps({check.sync: {"server": {"command": server.command(), "env": server.env},
                                        "check": {"command": check_command(check, server, args), "env": trainer_env}}

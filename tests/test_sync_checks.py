@@ -3,11 +3,13 @@ against a server placed where that push works."""
 
 import json
 
+import pytest
+
 from benchmarks.sync_checks import main
 
 
-def plan(capsys) -> dict:
-    main(["--model", "/models/m", "--questions", "q.parquet", "--out", "runs/weight_sync.jsonl", "--dry_run"])
+def plan(capsys, *flags: str) -> dict:
+    main(["--model", "/models/m", "--questions", "q.parquet", "--out", "runs/weight_sync.jsonl", "--dry_run", *flags])
     return json.loads(capsys.readouterr().out)
 
 
@@ -43,3 +45,12 @@ def test_one_server_runs_eager_and_one_with_cuda_graphs_so_their_start_up_times_
     checks = plan(capsys)
     assert flag(checks["nccl"]["server"]["command"], "--enforce_eager") == "true"
     assert "--enforce_eager" not in checks["reload"]["server"]["command"]
+
+
+def test_a_one_gpu_host_checks_the_reload_and_ipc_pushes_beside_the_trainer(capsys):
+    checks = plan(capsys, "--checks", "reload", "ipc", "--trainer_gpu", "0")
+    assert set(checks) == {"reload", "ipc"}
+    assert checks["ipc"]["server"]["env"] == checks["ipc"]["check"]["env"] == {"CUDA_VISIBLE_DEVICES": "0"}
+    with pytest.raises(SystemExit):
+        plan(capsys, "--trainer_gpu", "0")  # nccl's server would share the trainer's GPU
+    assert "the nccl check needs the server on another GPU than the trainer" in capsys.readouterr().err
