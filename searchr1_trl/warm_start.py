@@ -9,13 +9,14 @@ environment mask are exactly those of training, against the real retriever; trac
 answer are dropped (the teacher would otherwise teach answering without evidence). The policy is then fine-tuned on
 its own turns only (TRL's ``SFTTrainer``, ``assistant_masks`` = the rollout's env mask) and saved to
 ``<output_dir>/warm_start``, the model GRPO starts from; with a ``reload`` generator the server loads it at once
-(``nccl`` pushes it before the first rollouts anyway).
+(``nccl`` and ``ipc`` push it before the first rollouts anyway).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,7 +25,12 @@ from searchr1_trl.engine.generation import Generation, Generator, SamplingParams
 from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.search_r1.data import SearchR1Dataset
 from searchr1_trl.search_r1.env import SEARCH_TOOL_NAME
-from searchr1_trl.search_r1.rubric import normalize_answer, retrieval_surfaced_gold
+from searchr1_trl.search_r1.rubric import (
+    normalize_answer,
+    passages_hold_gold,
+    retrieval_surfaced_gold,
+    search_results,
+)
 from searchr1_trl.update import with_fp32_master_weights
 from searchr1_trl.vllm_server import reload_weights
 
@@ -40,6 +46,13 @@ class WarmStartConfig:
         metadata={"help": "Scripted search -> answer traces to fine-tune on before GRPO; 0: no warm start. Questions "
                           "are a seeded draw of the training file (data_seed + 1); those whose passages lack every "
                           "golden answer are dropped, so fewer traces remain (the log says how many)."},
+    )
+    second_search: bool = field(
+        default=False,
+        metadata={"help": "Where the question's own search holds no golden answer, the teacher searches again with the "
+                          "question's content words and answers if that finds one: traces that show a second query, "
+                          "which GRPO alone never discovers (0 of 3,000 rollouts after the one-search warm start). "
+                          "Needs max_turns >= 3."},
     )
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate of the warm start."})
     epochs: float = field(default=1.0, metadata={"help": "Passes over the warm-start traces."})
@@ -81,43 +94,81 @@ def assistant_turn_ids(engine: RolloutEngine, messages: list[dict], turn: dict, 
     return rest[: end + 1]
 
 
-async def scripted_trace(tokenizer, envs, config, sample, end_ids: set[int]) -> Rollout:
+# Words a keyword query leaves out of the question: what a search engine would ignore anyway, and the question words.
+STOP_WORDS = frozenset({"a", "an", "the", "of", "in", "on", "at", "to", "for", "from", "by", "with", "as", "and",
+    "or", "is", "are", "was", "were", "be", "been", "being", "do", "does", "did", "what", "which", "who", "whom",
+    "whose", "when", "where", "why", "how", "that", "this", "these", "those", "it", "its", "there", "their", "his",
+    "her", "they", "he", "she", "has", "have", "had", "name"})
+
+
+def keyword_query(question: str) -> str:
+    """The question's content words, the teacher's second query: ``"What year did the Broncos win Super Bowl 50?"``
+    -> ``"year Broncos win Super Bowl 50"``."""
+    return " ".join(w for w in re.findall(r"[\w'-]+", question) if w.lower() not in STOP_WORDS)
+
+
+async def scripted_trace(tokenizer, envs, config, sample, end_ids: set[int], second_search: bool = False) -> Rollout:
     """One teacher rollout of ``sample`` in an env of ``envs``: search the question, then answer with the first golden
     answer that the passages contain (the first golden answer when none does; such traces are filtered by
-    :func:`keep`)."""
+    :func:`keep`). With ``second_search``, passages that hold no golden answer make the teacher search again with the
+    question's content words (:func:`keyword_query`) before answering."""
     messages = envs().reset(sample)
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": SEARCH_TOOL_NAME, "arguments": {"query": sample.question}}}]}
+    golds = [(gold, normalize_answer(gold)) for gold in sample.golden_answers if normalize_answer(gold)]
+    # The replies' rendering does not depend on the passages' text: a placeholder tool message stands for them.
+    tool = {"role": "tool", "name": SEARCH_TOOL_NAME, "content": "..."}
+
+    def call(query: str) -> dict:
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": SEARCH_TOOL_NAME, "arguments": {"query": query}}}]}
+
+    first, keywords = call(sample.question), keyword_query(sample.question)
+    again = call(keywords)
+
+    def found(token_ids: list[int]) -> list[str]:
+        """The golden answers in ``token_ids`` (what a search turn and its result rendered to)."""
+        seen = f" {normalize_answer(tokenizer.decode(token_ids, skip_special_tokens=True))} "
+        return [gold for gold, normalized in golds if f" {normalized} " in seen]
+
+    def reply(hits: list[str], before: list[dict]) -> list[int]:
+        content = (hits or list(sample.golden_answers))[0]
+        return assistant_turn_ids(engine, [*messages, *before], {"role": "assistant", "content": content}, end_ids)
 
     def search(_: list[int]) -> list[int]:
-        return assistant_turn_ids(engine, messages, call, end_ids)
+        return assistant_turn_ids(engine, messages, first, end_ids)
 
-    def answer(sequence: list[int]) -> list[int]:
-        prompt_len = len(engine.render(messages, add_generation_prompt=True))
-        seen = f" {normalize_answer(tokenizer.decode(sequence[prompt_len:], skip_special_tokens=True))} "
-        found = [gold for gold in sample.golden_answers if normalize_answer(gold) and
-                 f" {normalize_answer(gold)} " in seen]
-        reply = {"role": "assistant", "content": (found or list(sample.golden_answers))[0]}
-        # The reply's rendering does not depend on the passages' text: a placeholder tool message stands for them.
-        tool = {"role": "tool", "name": SEARCH_TOOL_NAME, "content": "..."}
-        return assistant_turn_ids(engine, [*messages, call, tool], reply, end_ids)
+    first_result_end = 0  # where the sequence stood when the first search's result was in
 
-    engine = RolloutEngine(tokenizer, ScriptedTurns([search, answer]), envs, config)
+    def answer_or_search_again(sequence: list[int]) -> list[int]:
+        nonlocal first_result_end
+        first_result_end = len(sequence)
+        hits = found(sequence[len(engine.render(messages, add_generation_prompt=True)):])
+        if second_search and not hits and keywords not in ("", sample.question):
+            return assistant_turn_ids(engine, [*messages, first, tool], again, end_ids)
+        return reply(hits, [first, tool])
+
+    def answer_after_the_second_search(sequence: list[int]) -> list[int]:
+        return reply(found(sequence[first_result_end:]), [first, tool, again, tool])
+
+    engine = RolloutEngine(tokenizer, ScriptedTurns([search, answer_or_search_again, answer_after_the_second_search]),
+                           envs, config)
     return await engine.rollout(sample, SamplingParams.greedy(max_tokens=1 << 20))
 
 
 def keep(rollout: Rollout) -> bool:
-    """A trace to learn from: it searched, was answered, and its answer is in what the search returned."""
-    answer = rollout.messages[-1].get("content") or ""
-    return (rollout.status == RolloutStatus.DONE and rollout.num_tool_calls == 1
-            and retrieval_surfaced_gold(rollout.messages, {normalize_answer(answer)}))
+    """A trace to learn from: it searched (once, or twice where the first search held no golden answer), was
+    answered, and its answer is in what its searches returned."""
+    answer = {normalize_answer(rollout.messages[-1].get("content") or "")}
+    return (rollout.status == RolloutStatus.DONE and rollout.num_tool_calls in (1, 2)
+            and retrieval_surfaced_gold(rollout.messages, answer)
+            and (rollout.num_tool_calls == 1 or not passages_hold_gold(search_results(rollout.messages)[0], answer)))
 
 
-async def scripted_traces(tokenizer, envs, config, samples, end_ids: set[int], chunk: int = 256) -> list[Rollout]:
+async def scripted_traces(tokenizer, envs, config, samples, end_ids: set[int], chunk: int = 256,
+                          second_search: bool = False) -> list[Rollout]:
     """Teacher rollouts of every sample, ``chunk`` at a time (their searches reach the retriever batched)."""
     rollouts: list[Rollout] = []
     for start in range(0, len(samples), chunk):
-        rollouts += await asyncio.gather(*(scripted_trace(tokenizer, envs, config, s, end_ids)
+        rollouts += await asyncio.gather(*(scripted_trace(tokenizer, envs, config, s, end_ids, second_search)
                                            for s in samples[start:start + chunk]))
     return rollouts
 
@@ -131,9 +182,11 @@ def warm_start(args, model_args, task) -> str:
     from trl import SFTConfig, SFTTrainer, get_peft_config
 
     config = task.warm_start
-    if args.max_turns < 2:
-        raise ValueError(f"warm_start_traces={config.num_traces} teaches a search then an answer, two turns, but "
-                         f"max_turns={args.max_turns}: raise max_turns or set warm_start_traces 0")
+    if args.max_turns < 2 + config.second_search:
+        raise ValueError(f"warm_start_traces={config.num_traces} teaches a search then an answer"
+                         f"{' (with a second search between them)' if config.second_search else ''}, "
+                         f"{2 + config.second_search} turns, but max_turns={args.max_turns}: raise max_turns or set "
+                         "warm_start_traces 0")
     stream = task.train_stream.config
     samples = SearchR1Dataset(replace(stream, seed=stream.seed + 1)).take(config.num_traces)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
@@ -142,10 +195,11 @@ def warm_start(args, model_args, task) -> str:
     except OSError:  # a checkpoint without generation_config.json: the tokenizer's end tokens
         generation_config = None
     end_ids = set(end_token_ids(tokenizer, generation_config))
-    rollouts = asyncio.run(_traces_then_close(tokenizer, task.envs, task.rollout, samples, end_ids))
+    rollouts = asyncio.run(_traces_then_close(tokenizer, task.envs, task.rollout, samples, end_ids,
+                                              config.second_search))
     traces = [r for r in rollouts if keep(r)]
-    logger.info("warm start: %d of %d scripted traces have a golden answer in their passages", len(traces),
-                len(rollouts))
+    logger.info("warm start: %d of %d scripted traces have a golden answer in their passages (%d after a second "
+                "search)", len(traces), len(rollouts), sum(r.num_tool_calls == 2 for r in traces))
     if not traces:
         raise RuntimeError(f"none of {len(rollouts)} scripted traces found a golden answer in its passages: is the "
                            f"retriever at {args.search_url} serving the corpus of {args.train_data_path}?")
@@ -177,8 +231,8 @@ def warm_start(args, model_args, task) -> str:
     return str(output_dir)
 
 
-async def _traces_then_close(tokenizer, envs, config, samples, end_ids) -> list[Rollout]:
+async def _traces_then_close(tokenizer, envs, config, samples, end_ids, second_search) -> list[Rollout]:
     try:
-        return await scripted_traces(tokenizer, envs, config, samples, end_ids)
+        return await scripted_traces(tokenizer, envs, config, samples, end_ids, second_search=second_search)
     finally:
         await envs.aclose()

@@ -18,19 +18,19 @@ from searchr1_trl.engine.generation import end_token_ids
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutStatus
 from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig
 from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
-from searchr1_trl.search_r1.rubric import normalize_answer
+from searchr1_trl.search_r1.rubric import normalize_answer, passages_hold_gold
 from searchr1_trl.trainer import SearchR1Config
-from searchr1_trl.warm_start import keep, scripted_traces
+from searchr1_trl.warm_start import keep, keyword_query, scripted_traces
 
 
-def traces(tokenizer, retriever_url, questions_file, n: int, topk: int = 3, **env):
+def traces(tokenizer, retriever_url, questions_file, n: int, topk: int = 3, second_search: bool = False, **env):
     samples = SearchR1Dataset(SearchR1DatasetConfig(data_path=questions_file, data_source=None)).take(n)
     search = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url, topk=topk, **env))
 
     async def run():
         try:
             return await scripted_traces(tokenizer, search, RolloutConfig(max_turns=3), samples,
-                                         set(end_token_ids(tokenizer)))
+                                         set(end_token_ids(tokenizer)), second_search=second_search)
         finally:
             await search.aclose()
 
@@ -118,3 +118,29 @@ def test_grpo_starts_from_the_warm_started_model(tiny_model_dir, tokenizer, retr
     base = load_file(tiny_model_dir / "model.safetensors")
     assert all(torch.equal(final[name], warmed[name]) for name in final)
     assert not all(torch.equal(warmed[name], base[name].to(warmed[name].dtype)) for name in warmed)
+
+
+def test_the_second_query_is_the_questions_content_words():
+    assert keyword_query("What year did the Broncos win Super Bowl 50?") == "year Broncos win Super Bowl 50"
+    assert keyword_query("Who is it?") == ""
+
+
+@pytest.mark.slow
+def test_a_first_search_without_the_gold_makes_the_teacher_search_its_keywords_before_answering(
+        tokenizer, retriever_url, questions_file):
+    samples, once = traces(tokenizer, retriever_url, questions_file, 48, topk=1, restate_question=True)
+    _, twice = traces(tokenizer, retriever_url, questions_file, 48, topk=1, restate_question=True, second_search=True)
+    second = 0
+    for sample, one, two in zip(samples, once, twice, strict=True):
+        first_hit = keep(one)
+        if first_hit or two.num_tool_calls == 1:  # the first search held the gold: the same trace either way
+            assert two.num_tool_calls == 1 and two.messages == one.messages
+            continue
+        assert two.num_turns == 3 and two.status == RolloutStatus.DONE
+        query = two.messages[-3]["tool_calls"][0]["function"]["arguments"]["query"]
+        assert query == keyword_query(sample.question) != sample.question
+        answer = {normalize_answer(two.messages[-1]["content"])}
+        assert keep(two) == passages_hold_gold(two.messages[-2]["content"], answer)
+        second += keep(two)
+    assert second > 0, "no first-search miss was rescued by the keyword query on 48 questions at top-1"
+    assert sum(map(keep, twice)) == sum(map(keep, once)) + second
