@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from test_trainer import StopAfter, small_config
 from test_update import loss_and_grads, rollout_batch, update_config
 
@@ -25,6 +27,7 @@ from searchr1_trl.async_rollouts import (
 )
 from searchr1_trl.recipe import build_task
 from searchr1_trl.trainer import STREAM_STATE_FILE, SearchR1Trainer
+from searchr1_trl.vllm_server import reload_weights
 
 
 class Counter:
@@ -250,34 +253,51 @@ class StreamedCompletion(threading.Thread):
                     self.started.set()
 
 
-@pytest.mark.slow  # the offline model loaded, negated, written and reloaded twice: about a minute
+class ReloadFolder:
+    """A push that reloads a folder of safetensors into the server (the real reload; what it holds is the test's)."""
+
+    def __init__(self, base_url: str, folder: Path):
+        self.base_url, self.folder = base_url, folder
+
+    def push(self, model) -> None:
+        reload_weights(self.base_url, self.folder)
+
+
+def final_norm_folder(model_dir: str, folder: Path, sign: float) -> Path:
+    """A checkpoint folder holding only the final norm of ``model_dir``, times ``sign``: vLLM's layerwise reload keeps
+    every weight the folder leaves out, so -1 negates every logit and +1 restores the model."""
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as weights:
+        norm = weights.get_tensor("model.norm.weight")
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({"model.norm.weight": norm * sign}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.slow  # three greedy completions of 48 tokens on the CPU server
 def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vllm_server, offline_assets, tokenizer,
                                                                            tmp_path):
     from accelerate import Accelerator
-    from transformers import AutoModelForCausalLM
 
-    from searchr1_trl.vllm_server import reload_weights
-    from searchr1_trl.weight_sync import PausedPush, ReloadPush
+    from searchr1_trl.weight_sync import PausedPush
 
     prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the river Thames."}],
                                                add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     old = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
     old.run()  # the old weights' greedy text, start to end
-    model = AutoModelForCausalLM.from_pretrained(offline_assets.model, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.norm.weight.neg_()  # the new weights: every logit negated, so greedy picks other tokens
-    accelerator = Accelerator(cpu=True)
-    reload = ReloadPush(accelerator, vllm_server.base_url, tmp_path / "sync")
-    push = PausedPush(reload, accelerator, vllm_server.base_url)
+    negated = ReloadFolder(vllm_server.base_url, final_norm_folder(offline_assets.model, tmp_path / "negated", -1.0))
+    push = PausedPush(negated, Accelerator(cpu=True), vllm_server.base_url)
     in_flight = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
     in_flight.start()
     try:
         assert in_flight.started.wait(timeout=300), "the completion never started streaming"
-        push.push(model)
+        push.push(None)
         in_flight.join(timeout=600)
-    finally:
-        reload_weights(vllm_server.base_url, offline_assets.model)  # the server is shared: give it its weights back
+    finally:  # the server is shared: give it its weights back
+        reload_weights(vllm_server.base_url, final_norm_folder(offline_assets.model, tmp_path / "restored", 1.0))
     before_push = "".join(in_flight.chunks[:in_flight.after])
     assert in_flight.finish_reason == "length"  # neither aborted nor cut: all 48 tokens, across the push
     assert "".join(old.chunks).startswith(before_push)  # what streamed before the pause: the old weights' tokens
     assert "".join(in_flight.chunks) != "".join(old.chunks)  # after the resume the new weights chose the tokens
+    restored = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
+    restored.run()
+    assert restored.chunks == old.chunks  # and the restore gave the server its own weights back
