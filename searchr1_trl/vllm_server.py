@@ -204,13 +204,28 @@ def _cpu_build() -> bool:
         return False
 
 
+def _post(base_url: str, path: str, timeout_s: float, **request) -> httpx.Response:
+    """``POST base_url + path`` (an HTTP error raises), for the dev-mode routes a push drives."""
+    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
+        response = client.post(path, **request)
+    response.raise_for_status()
+    return response
+
+
+def collective_rpc(base_url: str, method: str, timeout_s: float = 300.0, **request) -> None:
+    """Call worker ``method`` on every worker of the server (``POST /collective_rpc``, ``args``/``kwargs`` in
+    ``request``); a worker that answers ``{"error": ...}`` (as :class:`~searchr1_trl.weight_sync.IpcWeightLoader`
+    does, so a bad push never takes the engine down) raises it."""
+    response = _post(base_url, "/collective_rpc", timeout_s, json={"method": method, **request})
+    results = response.json().get("results", []) if response.content else []
+    errors = [r["error"] for r in results if isinstance(r, dict) and r.get("error")]
+    if errors:
+        raise RuntimeError(f"the vLLM server at {base_url} failed {method}: {errors[0]}")
+
+
 def reload_weights(base_url: str, folder: str | os.PathLike, timeout_s: float = 300.0) -> None:
     """Make the server load the safetensors in ``folder`` in place, then forget KV computed with the old weights."""
-    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
-        response = client.post(
-            "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-        )
-        response.raise_for_status()
+    collective_rpc(base_url, "reload_weights", timeout_s, kwargs={"weights_path": str(folder)})
     reset_prefix_cache(base_url, timeout_s)
 
 
@@ -218,9 +233,7 @@ def reset_prefix_cache(base_url: str, timeout_s: float = 300.0) -> None:
     """Drop every KV block the server holds, also those of requests in flight: those are preempted and recompute
     their KV when they are next scheduled (vLLM's ``reset_running_requests``), so after a push no token attends to
     KV of the old weights. A server that keeps blocks anyway is an error, not a warning."""
-    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
-        response = client.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
-        response.raise_for_status()
+    response = _post(base_url, "/reset_prefix_cache", timeout_s, params={"reset_running_requests": "true"})
     if response.json().get("success") is False:
         raise RuntimeError(f"the vLLM server at {base_url} did not reset its prefix cache (blocks still held): KV "
                            "computed with the old weights would be reused")
@@ -229,14 +242,12 @@ def reset_prefix_cache(base_url: str, timeout_s: float = 300.0) -> None:
 def pause_generation(base_url: str, timeout_s: float = 300.0) -> None:
     """Freeze the server's requests where they are (vLLM's ``POST /pause?mode=keep``): none is aborted, none is
     scheduled until :func:`resume_generation`; new requests queue."""
-    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
-        client.post("/pause", params={"mode": "keep"}).raise_for_status()
+    _post(base_url, "/pause", timeout_s, params={"mode": "keep"})
 
 
 def resume_generation(base_url: str, timeout_s: float = 300.0) -> None:
     """Let the requests :func:`pause_generation` froze go on (``POST /resume``)."""
-    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
-        client.post("/resume").raise_for_status()
+    _post(base_url, "/resume", timeout_s)
 
 
 def register_cpu_alias(version: str = "0.28.0+cpu") -> Path:

@@ -32,10 +32,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
-import httpx
 import torch
 
-from searchr1_trl.vllm_server import pause_generation, reload_weights, reset_prefix_cache, resume_generation
+from searchr1_trl.vllm_server import (
+    collective_rpc,
+    pause_generation,
+    reload_weights,
+    reset_prefix_cache,
+    resume_generation,
+)
 
 WEIGHT_SYNC_MARKER = ".searchr1_weight_sync"  # in every weight-sync folder a push writes
 IPC_WORKER_EXTENSION = "searchr1_trl.weight_sync.IpcWeightLoader"  # the server's --worker-extension-cls for ipc
@@ -98,14 +103,7 @@ class IpcPush:
                       for name, tensor in state_dict.items()}
         payload = ipc_payload(copies)
         torch.cuda.synchronize()  # the copies are written before the server reads them
-        with httpx.Client(base_url=self.server_url, timeout=self.timeout_s) as client:
-            response = client.post("/collective_rpc", json={"method": "load_ipc_weights", "args": [payload]})
-            response.raise_for_status()
-        body = response.json() if response.content else {}
-        errors = [r for r in body.get("results", []) if isinstance(r, dict) and r.get("error")]
-        if errors:
-            raise RuntimeError(f"the vLLM server at {self.server_url} did not load the pushed weights: "
-                               f"{errors[0]['error']}")
+        collective_rpc(self.server_url, "load_ipc_weights", self.timeout_s, args=[payload])
         reset_prefix_cache(self.server_url, self.timeout_s)
         del copies
         torch.cuda.ipc_collect()

@@ -1,6 +1,9 @@
 """The generator: a real `trl vllm-serve` on CPU loads the offline model and generates from token ids."""
 
 import httpx
+import pytest
+
+from searchr1_trl.vllm_server import collective_rpc
 
 
 def test_server_generates_from_token_ids_with_logprobs(vllm_server, tokenizer, offline_assets):
@@ -25,7 +28,6 @@ def test_server_generates_from_token_ids_with_logprobs(vllm_server, tokenizer, o
 
 def test_starting_a_server_on_a_port_another_server_answers_on_fails_before_launching():
     """Seen on an H200: the new vLLM could not bind, the old one answered /health, the job trained against it."""
-    import pytest
     from conftest import serve_health
 
     from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
@@ -45,6 +47,8 @@ def test_the_ipc_weight_loader_is_reached_through_the_server_and_refuses_a_cpu_w
     response.raise_for_status()
     assert response.json() == {"results": [{"error": "weight_sync='ipc' needs a CUDA vLLM worker; this one runs on "
                                                      "cpu: use weight_sync='reload'"}]}
+    with pytest.raises(RuntimeError, match="failed load_ipc_weights: weight_sync='ipc' needs a CUDA vLLM worker"):
+        collective_rpc(vllm_server.base_url, "load_ipc_weights", args=["unused"])  # what IpcPush raises
     completion = httpx.post(f"{vllm_server.base_url}/v1/completions", timeout=300,
                             json={"model": offline_assets.model, "prompt": "Paris is", "max_tokens": 2})
     assert completion.status_code == 200  # a refused push leaves the server serving
