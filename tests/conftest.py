@@ -32,31 +32,47 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TEST_CORPUS_ARTICLES = 8
 
 
-class _Healthy(BaseHTTPRequestHandler):
-    def do_GET(self):
-        self._answer(b"")
+def serve_fake(answer, port: int | None = None) -> ThreadingHTTPServer:
+    """A stand-in HTTP server, running in a thread on ``port`` (a free one by default), for faults injected on
+    purpose: ``answer(method, path, body)`` (``body`` the parsed JSON of a POST, None for a GET) gives the status and
+    the bytes to send. A client that hung up first is not an error. The caller shuts it down."""
 
-    def do_POST(self):  # a search: one passage per query, as a retriever's probe check expects
-        queries = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["queries"]
-        self._answer(json.dumps({"result": [[{"contents": f"T\n{q}"}] for q in queries]}).encode())
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._send(*answer("GET", self.path, None))
 
-    def _answer(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        def do_POST(self):
+            self._send(*answer("POST", self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
 
-    def log_message(self, *args):
-        pass
+        def _send(self, status: int, body: bytes) -> None:
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client timed out and hung up
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port or free_port()), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _healthy(method: str, path: str, body: dict | None) -> tuple[int, bytes]:
+    if method == "GET":
+        return 200, b""
+    # a search: one passage per query, as a retriever's probe check expects
+    return 200, json.dumps({"result": [[{"contents": f"T\n{q}"}] for q in body["queries"]]}).encode()
 
 
 def serve_health(port: int | None = None) -> ThreadingHTTPServer:
-    """A stand-in server, running in a thread on ``port`` (a free one by default), that answers every GET with 200
-    and every search with one passage per query: for checks that only ask whether some server is up and answers.
-    The caller shuts it down."""
-    server = ThreadingHTTPServer(("127.0.0.1", port or free_port()), _Healthy)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    """A stand-in server that answers every GET with 200 and every search with one passage per query: for checks
+    that only ask whether some server is up and answers. The caller shuts it down."""
+    return serve_fake(_healthy, port)
 
 
 # A generic tool for rollout and parsing tests that need no real search.

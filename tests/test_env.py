@@ -10,9 +10,7 @@ import asyncio
 import json
 import logging
 import re
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -28,6 +26,7 @@ from searchr1_trl.search_r1.env import (
     SearchR1EnvFactory,
 )
 from searchr1_trl.search_r1.retrieval import RetrievalClient, _passages_to_string
+from tests.conftest import serve_fake
 
 SAMPLE = SearchR1Sample(question="Where is the Eiffel Tower?", golden_answers=("Paris",))
 
@@ -45,40 +44,26 @@ class FakeRetriever:
     def __init__(self):
         self.script: list[str] = []
         self.requests: list[dict] = []
-        fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.requests.append(body)
-                behaviour = fake.script.pop(0) if fake.script else "ok"
-                if behaviour == "slow":
-                    time.sleep(1.0)
-                status, payload = {
-                    "500": (500, b"internal error"),
-                    "400": (400, b"bad request"),
-                    "garbage": (200, b"<html>not json"),
-                    "wrong shape": (200, b'{"result": []}'),
-                }.get(behaviour, (200, json.dumps({"result": [
-                    [{"contents": f"Title {q}\nPassage {i} about {q}."} for i in range(body["topk"])]
-                    for q in body["queries"]
-                ]}).encode()))
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client timed out and hung up
+        def answer(method, path, body):
+            if method != "POST":
+                return 501, b""  # /retrieve only
+            self.requests.append(body)
+            behaviour = self.script.pop(0) if self.script else "ok"
+            if behaviour == "slow":
+                time.sleep(1.0)
+            return {
+                "500": (500, b"internal error"),
+                "400": (400, b"bad request"),
+                "garbage": (200, b"<html>not json"),
+                "wrong shape": (200, b'{"result": []}'),
+            }.get(behaviour, (200, json.dumps({"result": [
+                [{"contents": f"Title {q}\nPassage {i} about {q}."} for i in range(body["topk"])]
+                for q in body["queries"]
+            ]}).encode()))
 
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = serve_fake(answer)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/retrieve"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
 
     def close(self):
         self.server.shutdown()

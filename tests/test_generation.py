@@ -15,6 +15,7 @@ import torch
 
 from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator, VLLMServerGenerator, end_token_ids
 from searchr1_trl.processes import free_port
+from tests.conftest import serve_fake
 
 PROMPTS = [[151644, 872, 198, 9707], [151644, 872, 198, 3838, 374, 279, 6722, 315, 9625, 30], [9707, 11, 1879]]
 
@@ -186,33 +187,19 @@ class FakeCompletionsServer:
 
     def __init__(self, status: int):
         self.requests: list[tuple[str, str, dict | None]] = []
-        fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                fake.requests.append(("GET", self.path, None))
-                self._answer({"data": [{"id": "served"}]})
+        def answer(method, path, body):
+            self.requests.append((method, path, body))
+            if status != 200:
+                return status, json.dumps({"error": "overloaded"}).encode()
+            if method == "GET":
+                return 200, json.dumps({"data": [{"id": "served"}]}).encode()
+            ids = body["prompt"][-2:]
+            return 200, json.dumps({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * len(ids)},
+                                                 "finish_reason": "stop"}]}).encode()
 
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.requests.append(("POST", self.path, body))
-                ids = body["prompt"][-2:]
-                self._answer({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * len(ids)},
-                                           "finish_reason": "stop"}]})
-
-            def _answer(self, payload):
-                body = json.dumps(payload if status == 200 else {"error": "overloaded"}).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server = serve_fake(answer)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
 def vllm_generate(url, prompts, model=None, stop_token_ids=None):

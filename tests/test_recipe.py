@@ -218,27 +218,14 @@ def test_plan_names_a_missing_data_file_and_unreachable_servers(tmp_path):
 
 
 def test_plan_refuses_a_retriever_that_is_healthy_but_cannot_search():
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from tests.conftest import serve_fake
 
-    class CannotSearch(BaseHTTPRequestHandler):  # a fault on purpose: an encoder of another width behind an old /health
-        def do_GET(self):
-            self._answer(200, b'{"status": "ok"}')
+    def cannot_search(method, path, body):  # a fault on purpose: an encoder of another width behind an old /health
+        if method == "GET":
+            return 200, b'{"status": "ok"}'
+        return 422, b'{"detail": "queries[0]: cannot be searched (RuntimeError: mat1 and mat2 shapes)"}'
 
-        def do_POST(self):
-            self._answer(422, b'{"detail": "queries[0]: cannot be searched (RuntimeError: mat1 and mat2 shapes)"}')
-
-        def _answer(self, status: int, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), CannotSearch)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve_fake(cannot_search)
     url = f"http://127.0.0.1:{server.server_address[1]}/retrieve"
     args, model_args = parse_recipe("qwen3_1_7b", "--weight_sync", "reload", "--search_url", url)
     try:
