@@ -52,13 +52,18 @@ class WeightPush(Protocol):
 
 
 class NcclPush:
-    """TRL's NCCL path; TRL's ``VLLMGeneration`` holds the model, the communicator and the server's address."""
+    """TRL's NCCL path; TRL's ``VLLMGeneration`` holds the model, the communicator and the server's address (its
+    client, on the main process). Like every push here it ends with :func:`reset_prefix_cache`, which also drops the
+    KV of requests in flight (TRL's own reset keeps theirs)."""
 
     def __init__(self, vllm_generation):
         self.vllm_generation = vllm_generation
 
     def push(self, model: torch.nn.Module) -> None:
         self.vllm_generation.sync_weights()
+        client = getattr(self.vllm_generation, "vllm_client", None)
+        if client is not None:
+            reset_prefix_cache(client.base_url)
 
 
 class ReloadPush:
@@ -148,10 +153,10 @@ class IpcWeightLoader:
 
 class PausedPush:
     """``inner``'s push into the server at ``server_url`` while its requests are in flight: ``/pause?mode=keep``
-    freezes them, ``inner`` loads the weights, the prefix cache is reset with the frozen requests preempted (they
-    recompute their KV with the new weights: no token attends to KV of the old ones) and ``/resume`` lets them go
-    on. Their tokens after the push come from the new weights; the behaviour log-probs vLLM returns per token are
-    those of the weights that sampled it, so the importance weight of the asynchronous mode stays exact."""
+    freezes them, ``inner`` loads the weights and resets the prefix cache with the frozen requests preempted (every
+    push does: they recompute their KV with the new weights, no token attends to KV of the old ones) and ``/resume``
+    lets them go on. Their tokens after the push come from the new weights; the behaviour log-probs vLLM returns per
+    token are those of the weights that sampled it, so the importance weight of the asynchronous mode stays exact."""
 
     def __init__(self, inner: WeightPush, accelerator, server_url: str):
         self.inner, self.accelerator, self.server_url = inner, accelerator, server_url
@@ -162,8 +167,6 @@ class PausedPush:
             pause_generation(self.server_url)
         try:
             self.inner.push(model)
-            if main:
-                reset_prefix_cache(self.server_url)
         finally:
             if main:
                 resume_generation(self.server_url)
