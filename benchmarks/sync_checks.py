@@ -95,19 +95,17 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as servers:
         start = time.monotonic()
-        by_port = {}
-        for check, config in checks:  # both servers start up at once, so their start-up times compare
+        by_port = {}  # one server per port: the reload and IPC checks share theirs
+        for check, config in checks:  # the servers start up at once, so their start-up times compare
             if check.port not in by_port:
                 by_port[check.port] = VLLMServer(config).launch()
                 servers.callback(by_port[check.port].stop)
-        for check, _ in checks:
-            if not by_port[check.port].healthy():
-                by_port[check.port].wait_until_healthy()
-                kind = "eager" if check.enforce_eager else "CUDA-graph"
-                print(f"{kind} server on GPU {check.server_gpu} healthy after {time.monotonic() - start:.0f}s",
-                      flush=True)
-        launched = [(check, by_port[check.port]) for check, _ in checks]
-        for check, server in launched:
+        for server in by_port.values():
+            server.wait_until_healthy()
+            kind = "eager" if server.config.enforce_eager else "CUDA-graph"
+            print(f"{kind} server on GPU {server.config.env['CUDA_VISIBLE_DEVICES']} healthy after "
+                  f"{time.monotonic() - start:.0f}s", flush=True)
+        for check, server in ((check, by_port[check.port]) for check, _ in checks):
             # a server that dies under its check stops it at once, named with its log
             needs = {f"the vLLM server on GPU {check.server_gpu}": (server.process, server.config.log_file)}
             run_reporting(f"the {check.sync} check", check_command(check, server.config, args), needs=needs,
