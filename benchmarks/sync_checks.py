@@ -9,7 +9,10 @@ stop them: :func:`searchr1_trl.processes.owned_popen`).
 - ``ipc``: the same server (it has the CUDA IPC loader installed, ``--worker-extension-cls``), bf16 copies of the
   weights shared with it through CUDA IPC: the one-GPU push without a file.
 
-Each check appends its row to ``--out``; the first that fails (log-probs beyond tolerance, a server that died under
+A check on a server an earlier check pushed into first has the server reload ``--model`` from disk, so every check
+starts from a server and a trainer on the same weights (else the IPC check after the reload one would meet a server
+already on the weights its own update step leads to, and could not tell a push from none). Each check appends its
+row to ``--out``; the first that fails (log-probs beyond tolerance, a server that died under
 it) stops the run with its cause named. Server output goes to ``<log_dir>/vllm_gpu<N>.log``.
 
     python -m benchmarks.sync_checks --model M --questions test.parquet --out runs/weight_sync.jsonl
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from searchr1_trl.processes import run_reporting
-from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig, reload_weights
 from searchr1_trl.weight_sync import IPC_WORKER_EXTENSION
 
 
@@ -87,10 +90,13 @@ def main(argv: list[str] | None = None) -> None:
                      "cannot form an NCCL pair): set --nccl_server_gpu, or leave nccl out of --checks")
     checks = [(check, server_config(check, args)) for check in sync_checks(args)]
     trainer_env = {"CUDA_VISIBLE_DEVICES": args.trainer_gpu}
+    ports = [check.port for check, _ in checks]
+    pushed_before = [port in ports[:i] for i, port in enumerate(ports)]
     if args.dry_run:
         print(json.dumps({check.sync: {"server": {"command": server.command(), "env": server.env},
-                                       "check": {"command": check_command(check, server, args), "env": trainer_env}}
-                          for check, server in checks}, indent=2))
+                                       "check": {"command": check_command(check, server, args), "env": trainer_env},
+                                       "reloads_the_checkpoint_first": restore}
+                          for (check, server), restore in zip(checks, pushed_before, strict=True)}, indent=2))
         return
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as servers:
@@ -105,7 +111,10 @@ def main(argv: list[str] | None = None) -> None:
             kind = "eager" if server.config.enforce_eager else "CUDA-graph"
             print(f"{kind} server on GPU {server.config.env['CUDA_VISIBLE_DEVICES']} healthy after "
                   f"{time.monotonic() - start:.0f}s", flush=True)
-        for check, server in ((check, by_port[check.port]) for check, _ in checks):
+        for (check, _), restore in zip(checks, pushed_before, strict=True):
+            server = by_port[check.port]
+            if restore:
+                reload_weights(server.config.base_url, args.model)
             # a server that dies under its check stops it at once, named with its log
             needs = {f"the vLLM server on GPU {check.server_gpu}": (server.process, server.config.log_file)}
             run_reporting(f"the {check.sync} check", check_command(check, server.config, args), needs=needs,

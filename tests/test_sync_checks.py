@@ -39,6 +39,10 @@ def test_the_ipc_push_goes_to_the_server_on_the_trainers_gpu_which_has_the_ipc_l
     assert flag(ipc["server"]["command"], "--worker-extension-cls") == "searchr1_trl.weight_sync.IpcWeightLoader"
     assert "--worker-extension-cls" not in nccl["server"]["command"]
     assert flag(ipc["check"]["command"], "--push_dtype") == "bfloat16"
+    # the reload check ran first on that server: it goes back to the checkpoint, or the IPC check would meet the
+    # weights its own update step leads to already served
+    assert ipc["reloads_the_checkpoint_first"] and not reload["reloads_the_checkpoint_first"]
+    assert not nccl["reloads_the_checkpoint_first"]
 
 
 def test_one_server_runs_eager_and_one_with_cuda_graphs_so_their_start_up_times_compare(capsys):
