@@ -54,6 +54,12 @@ class WarmStartConfig:
                           "which GRPO alone never discovers (0 of 3,000 rollouts after the one-search warm start). "
                           "Needs max_turns >= 3."},
     )
+    second_search_repeats: int = field(
+        default=1,
+        metadata={"help": "How many times each trace with a second search is fine-tuned on: once each, they were too "
+                          "few for the tuned policy to search again (offline_gpu, 3 seeds: 0 second queries in 1,500 "
+                          "greedy rollouts of the report sample after the warm start)."},
+    )
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate of the warm start."})
     epochs: float = field(default=1.0, metadata={"help": "Passes over the warm-start traces."})
     batch_size: int = field(default=8, metadata={"help": "Traces per optimizer step (per device)."})
@@ -64,6 +70,9 @@ class WarmStartConfig:
                 f"expected num_traces >= 0, learning_rate > 0, epochs > 0 and batch_size >= 1, got {self.num_traces}, "
                 f"{self.learning_rate}, {self.epochs}, {self.batch_size}"
             )
+        if self.second_search_repeats < 1 or (self.second_search_repeats > 1 and not self.second_search):
+            raise ValueError(f"second_search_repeats={self.second_search_repeats}: expected >= 1, and > 1 only with "
+                             "second_search=True (without it no trace has a second search to repeat)")
 
 
 class ScriptedTurns(Generator):
@@ -163,6 +172,12 @@ def keep(rollout: Rollout) -> bool:
             and (rollout.num_tool_calls == 1 or not passages_hold_gold(search_results(rollout.messages)[0], answer)))
 
 
+def fine_tuning_traces(rollouts: list[Rollout], second_search_repeats: int = 1) -> list[Rollout]:
+    """The traces the warm start fine-tunes on: those :func:`keep` accepts, each with a second search
+    ``second_search_repeats`` times."""
+    return [r for r in rollouts if keep(r) for _ in range(second_search_repeats if r.num_tool_calls == 2 else 1)]
+
+
 async def scripted_traces(tokenizer, envs, config, samples, end_ids: set[int], chunk: int = 256,
                           second_search: bool = False) -> list[Rollout]:
     """Teacher rollouts of every sample, ``chunk`` at a time (their searches reach the retriever batched)."""
@@ -197,9 +212,10 @@ def warm_start(args, model_args, task) -> str:
     end_ids = set(end_token_ids(tokenizer, generation_config))
     rollouts = asyncio.run(_traces_then_close(tokenizer, task.envs, task.rollout, samples, end_ids,
                                               config.second_search))
-    traces = [r for r in rollouts if keep(r)]
+    traces = fine_tuning_traces(rollouts, config.second_search_repeats)
     logger.info("warm start: %d of %d scripted traces have a golden answer in their passages (%d after a second "
-                "search)", len(traces), len(rollouts), sum(r.num_tool_calls == 2 for r in traces))
+                "search, each fine-tuned on %d times)", sum(map(keep, rollouts)), len(rollouts),
+                sum(r.num_tool_calls == 2 for r in rollouts if keep(r)), config.second_search_repeats)
     if not traces:
         raise RuntimeError(f"none of {len(rollouts)} scripted traces found a golden answer in its passages: is the "
                            f"retriever at {args.search_url} serving the corpus of {args.train_data_path}?")

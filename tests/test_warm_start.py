@@ -20,7 +20,7 @@ from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig
 from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.search_r1.rubric import normalize_answer, passages_hold_gold
 from searchr1_trl.trainer import SearchR1Config
-from searchr1_trl.warm_start import keep, keyword_query, scripted_traces
+from searchr1_trl.warm_start import WarmStartConfig, fine_tuning_traces, keep, keyword_query, scripted_traces
 
 
 def traces(tokenizer, retriever_url, questions_file, n: int, topk: int = 3, second_search: bool = False, **env):
@@ -144,3 +144,14 @@ def test_a_first_search_without_the_gold_makes_the_teacher_search_its_keywords_b
         second += keep(two)
     assert second > 0, "no first-search miss was rescued by the keyword query on 48 questions at top-1"
     assert sum(map(keep, twice)) == sum(map(keep, once)) + second
+    # repeated, the two-search traces weigh more in the fine-tuning set; the one-search ones stay once each
+    tuned = fine_tuning_traces(twice, second_search_repeats=4)
+    assert len(tuned) == sum(map(keep, twice)) + 3 * second
+    assert sum(r.num_tool_calls == 2 for r in tuned) == 4 * second
+
+
+def test_repeating_second_searches_needs_them():
+    with pytest.raises(ValueError, match="second_search_repeats=3: expected >= 1, and > 1 only with second_search"):
+        WarmStartConfig(num_traces=8, second_search_repeats=3)
+    with pytest.raises(ValueError, match="second_search_repeats=0"):
+        WarmStartConfig(num_traces=8, second_search=True, second_search_repeats=0)
