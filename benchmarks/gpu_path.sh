@@ -14,9 +14,10 @@
 #   bash benchmarks/gpu_path.sh eval_table <gpu> <name> <checkpoint>...  # direct / rag / agent, 500 seeded questions
 #   bash benchmarks/gpu_path.sh performance    # one GPU, ~8 min: the retriever vs the one-request-at-a-time reference
 #                                              # on this host, its stages, and the policy update's MFU
-#   bash benchmarks/gpu_path.sh async_e2e <sync|async|pause> [gpu]  # offline_gpu, 3 seeds side by side, lock-step,
-#                                              # async rollouts, or async pausing in-flight rollouts for a push:
-#                                              # one table in $RUNS/async_e2e (run each mode)
+#   bash benchmarks/gpu_path.sh async_e2e <sync|async|pause|sync_ipc|async_ipc> [gpu]  # offline_gpu, 3 seeds side
+#                                              # by side: lock-step, async rollouts, async pausing in-flight rollouts
+#                                              # for a push, or either pushing through CUDA IPC: one table in
+#                                              # $RUNS/async_e2e (run each mode)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source "${SEARCHR1_ENV_FILE:-$HOME/searchr1_env.sh}"
@@ -66,7 +67,9 @@ case "${1:?step}" in
       sync) variant="sync=" ;;
       async) variant="async=--async_rollouts true --max_staleness 1" ;;
       pause) variant="pause=--async_rollouts true --max_staleness 1 --in_flight_rollouts pause" ;;
-      *) echo "async_e2e: mode $mode; expected sync, async or pause" >&2; exit 2 ;;
+      sync_ipc) variant="sync_ipc=--weight_sync ipc" ;;  # the push through CUDA IPC instead of tmpfs
+      async_ipc) variant="async_ipc=--async_rollouts true --max_staleness 1 --weight_sync ipc" ;;
+      *) echo "async_e2e: mode $mode; expected sync, async, pause, sync_ipc or async_ipc" >&2; exit 2 ;;
     esac
     python3 -m benchmarks.learning run --out "$RUNS/async_e2e" --seeds 0 1 2 --gpu "$gpu" --baseline sync \
       --variant "$variant" ${EAGER:+--eager} ;;
