@@ -172,10 +172,10 @@ def keep(rollout: Rollout) -> bool:
             and (rollout.num_tool_calls == 1 or not passages_hold_gold(search_results(rollout.messages)[0], answer)))
 
 
-def fine_tuning_traces(rollouts: list[Rollout], second_search_repeats: int = 1) -> list[Rollout]:
-    """The traces the warm start fine-tunes on: those :func:`keep` accepts, each with a second search
-    ``second_search_repeats`` times."""
-    return [r for r in rollouts if keep(r) for _ in range(second_search_repeats if r.num_tool_calls == 2 else 1)]
+def with_second_searches_repeated(traces: list[Rollout], repeats: int) -> list[Rollout]:
+    """``traces`` (those :func:`keep` accepted) as the warm start fine-tunes on them: each with a second search
+    ``repeats`` times, the others once."""
+    return [r for r in traces for _ in range(repeats if r.num_tool_calls == 2 else 1)]
 
 
 async def scripted_traces(tokenizer, envs, config, samples, end_ids: set[int], chunk: int = 256,
@@ -212,10 +212,11 @@ def warm_start(args, model_args, task) -> str:
     end_ids = set(end_token_ids(tokenizer, generation_config))
     rollouts = asyncio.run(_traces_then_close(tokenizer, task.envs, task.rollout, samples, end_ids,
                                               config.second_search))
-    traces = fine_tuning_traces(rollouts, config.second_search_repeats)
+    kept = [r for r in rollouts if keep(r)]
     logger.info("warm start: %d of %d scripted traces have a golden answer in their passages (%d after a second "
-                "search, each fine-tuned on %d times)", sum(map(keep, rollouts)), len(rollouts),
-                sum(r.num_tool_calls == 2 for r in rollouts if keep(r)), config.second_search_repeats)
+                "search, each fine-tuned on %d times)", len(kept), len(rollouts),
+                sum(r.num_tool_calls == 2 for r in kept), config.second_search_repeats)
+    traces = with_second_searches_repeated(kept, config.second_search_repeats)
     if not traces:
         raise RuntimeError(f"none of {len(rollouts)} scripted traces found a golden answer in its passages: is the "
                            f"retriever at {args.search_url} serving the corpus of {args.train_data_path}?")

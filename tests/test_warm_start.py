@@ -20,7 +20,13 @@ from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig
 from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.search_r1.rubric import normalize_answer, passages_hold_gold
 from searchr1_trl.trainer import SearchR1Config
-from searchr1_trl.warm_start import WarmStartConfig, fine_tuning_traces, keep, keyword_query, scripted_traces
+from searchr1_trl.warm_start import (
+    WarmStartConfig,
+    keep,
+    keyword_query,
+    scripted_traces,
+    with_second_searches_repeated,
+)
 
 
 def traces(tokenizer, retriever_url, questions_file, n: int, topk: int = 3, second_search: bool = False, **env):
@@ -145,7 +151,7 @@ def test_a_first_search_without_the_gold_makes_the_teacher_search_its_keywords_b
     assert second > 0, "no first-search miss was rescued by the keyword query on 48 questions at top-1"
     assert sum(map(keep, twice)) == sum(map(keep, once)) + second
     # repeated, the two-search traces weigh more in the fine-tuning set; the one-search ones stay once each
-    tuned = fine_tuning_traces(twice, second_search_repeats=4)
+    tuned = with_second_searches_repeated([r for r in twice if keep(r)], repeats=4)
     assert len(tuned) == sum(map(keep, twice)) + 3 * second
     assert sum(r.num_tool_calls == 2 for r in tuned) == 4 * second
 
