@@ -14,6 +14,9 @@
 #   bash benchmarks/gpu_path.sh eval_table <gpu> <name> <checkpoint>...  # direct / rag / agent, 500 seeded questions
 #   bash benchmarks/gpu_path.sh performance    # one GPU, ~8 min: the retriever vs the one-request-at-a-time reference
 #                                              # on this host, its stages, and the policy update's MFU
+#   bash benchmarks/gpu_path.sh update_0_5b    # one GPU, ~4 min: the offline_gpu recipe's update (64 rollouts, 0.5B)
+#                                              # in 8 x 8 micro-batches as committed, fewer larger ones, packed, and
+#                                              # with compiled layers (policy_update_0_5b.jsonl)
 #   bash benchmarks/gpu_path.sh async_e2e <sync|async|pause|sync_ipc|async_ipc> [gpu]  # offline_gpu, 3 seeds side
 #                                              # by side: lock-step, async rollouts, async pausing in-flight rollouts
 #                                              # for a push, or either pushing through CUDA IPC: one table in
@@ -77,6 +80,13 @@ case "${1:?step}" in
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \
       --generator transformers --max_concurrency 256 --retriever_port 8200 --output_dir "$RUNS/eval_$name" ;;
+  update_0_5b)  # what is left in series once rollouts overlap it and the push takes ~0.13 s (docs/results/README.md)
+    for lever in "--batch 8 --accumulation 8" "--batch 16 --accumulation 4" "--batch 32 --accumulation 2" \
+                 "--batch 8 --accumulation 8 --padding_free" "--batch 16 --accumulation 4 --padding_free" \
+                 "--batch 8 --accumulation 8 --compile_layers"; do
+      python3 -m benchmarks.policy_update --model "$MODEL" --seq 1024 --ragged $lever \
+        --out "$RUNS/policy_update_0_5b.jsonl"
+    done ;;
   performance)
     for load in "64 1" "8 64"; do
       read -r clients queries <<<"$load"

@@ -137,8 +137,10 @@ def rollouts_per_step(recipe: dict, train_overrides: list[str]) -> int:
 
 
 def time_split(history: list[dict], rollouts_per_step: int) -> dict[str, float]:
-    """Mean seconds per optimizer step: rollouts, weight sync, the rest of TRL's step (scoring and the policy
-    update), and validation; plus rollout throughput. TRL's ``step_time`` spans the whole step."""
+    """Mean seconds per optimizer step: rollouts, weight sync, scoring (rewards, advantages and TRL's old-log-prob
+    forward: the rest of ``generate_and_score/time_s``), the policy update (the loss and backward passes: the rest of
+    TRL's ``step_time``, which spans every micro-batch's ``training_step`` but not the optimizer step) and validation;
+    plus rollout throughput."""
     train = [e for e in history if "step_time" in e]
     if not train:
         return {}
@@ -148,10 +150,11 @@ def time_split(history: list[dict], rollouts_per_step: int) -> dict[str, float]:
         return sum(values) / len(values)
 
     step, rollout, sync = mean("step_time"), mean("rollout/time_s"), mean("weight_sync/time_s")
+    prepare = mean("generate_and_score/time_s")
     evals = [e["eval_runtime"] for e in history if "eval_runtime" in e]
     return {
         "step": round(step, 2), "rollout": round(rollout, 2), "weight_sync": round(sync, 3),
-        "policy_update": round(step - rollout - sync, 2),
+        "scoring": round(prepare - rollout - sync, 2), "policy_update": round(step - prepare, 2),
         "evaluation_each": round(sum(evals) / len(evals), 2) if evals else None,
         "rollout_tokens_per_s": round(mean("rollout/generated_tokens") / rollout, 1) if rollout else None,
         "rollouts_per_s": round(rollouts_per_step / rollout, 2) if rollout else None,

@@ -174,12 +174,17 @@ class SearchR1Trainer(GRPOTrainer):
         # Extends GRPOTrainer._generate_and_score_completions (TRL 1.16), which hands rollout_func only the prompts:
         # each rollout gets its own row's sample, as TRL's environment_factory gets reset(**row). Then it drops
         # equal-reward groups and weights rollouts sampled by older weights (async_rollouts).
+        # Timed as ``generate_and_score/time_s`` (push, rollouts, rewards, TRL's old-log-prob forward): the rest of
+        # TRL's step_time is the loss and the backward passes.
+        start = time.perf_counter()
         self._batch_samples = [SearchR1Sample.from_row(row) for row in inputs]
         output = super()._generate_and_score_completions(inputs)
-        if self.args.drop_equal_reward_groups and self.model.training:
-            output = self._drop_equal_reward_groups(output)
-        if self.pipeline is not None and self.model.training:
-            output = self._weight_stale_rollouts(output)
+        if self.model.training:
+            if self.args.drop_equal_reward_groups:
+                output = self._drop_equal_reward_groups(output)
+            if self.pipeline is not None:
+                output = self._weight_stale_rollouts(output)
+            self._metrics["train"]["generate_and_score/time_s"].append(time.perf_counter() - start)
         return output
 
     def _drop_equal_reward_groups(self, output: dict) -> dict:

@@ -1,5 +1,6 @@
 """The GPU plans of scripts/offline_job.py, checked on CPU through --dry_run (the commands it would launch)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -62,3 +63,15 @@ def test_an_ipc_plan_serves_on_the_trainers_gpu_with_the_ipc_loader_and_refuses_
     assert refused.returncode == 2
     assert "--weight_sync ipc pushes to a server on the trainer's own GPU; got --generator_gpu 0 and --trainer_gpu 1" \
         in refused.stderr
+
+
+def test_the_summary_splits_a_step_into_push_rollouts_scoring_and_update():
+    spec = importlib.util.spec_from_file_location("offline_job", ROOT / "scripts" / "offline_job.py")
+    offline_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(offline_job)
+    step = {"step_time": 6.0, "rollout/time_s": 2.0, "weight_sync/time_s": 0.5, "generate_and_score/time_s": 3.0,
+            "rollout/generated_tokens": 400.0}
+    history = [step, {**step, "step_time": 8.0, "generate_and_score/time_s": 4.0}, {"eval_runtime": 5.0}]
+    assert offline_job.time_split(history, rollouts_per_step=64) == {
+        "step": 7.0, "rollout": 2.0, "weight_sync": 0.5, "scoring": 1.0, "policy_update": 3.5,
+        "evaluation_each": 5.0, "rollout_tokens_per_s": 200.0, "rollouts_per_s": 32.0}

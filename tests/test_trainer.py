@@ -140,7 +140,11 @@ def test_a_grpo_step_through_the_whole_stack_changes_the_weights_and_syncs_them(
     assert trainer.state.log_history[0]["reward_std"] > 0, "the 4 rollouts were all the same text: nothing to learn"
     changed = {n for n, checksum in checksums(trainer.model).items() if checksum != before_weights[n]}
     assert changed == trained_names
-    assert trainer.state.log_history[0]["rollout/turns_per_rollout"] == 1
+    first = trainer.state.log_history[0]
+    assert first["rollout/turns_per_rollout"] == 1
+    # the step's time split: push and rollouts inside generate-and-score, and that inside TRL's step
+    assert first["rollout/time_s"] + first.get("weight_sync/time_s", 0.0) < first["generate_and_score/time_s"] \
+        < first["step_time"]
 
     trainer.weight_push.push(trainer.model)
     after = server_logprobs(vllm_server.base_url, offline_assets.model, probe)
