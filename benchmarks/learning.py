@@ -14,8 +14,9 @@ variant's recipe flags, on its own ports, its vLLM server with a fixed KV cache 
 servers starting together do not size their caches off each other. Figures come from the **report sample**
 (``report_num_samples`` questions disjoint from the validation sample the collapse guard chooses on): per seed the
 warm start alone (step 0), the last step, and the checkpoint the run ended on; per variant mean, standard deviation
-and minimum of the gains over the warm start, beside the mean ``train_runtime`` and its speedup over the
-``--baseline`` variant (the first one by default). ``report`` writes ``learning.json`` and prints Markdown tables.
+and minimum of the gains over the warm start, beside the mean ``train_runtime`` and, with ``--baseline``, its speedup
+over that variant (a speed comparison; learning variants that change the work per step have none). ``report``
+writes ``learning.json`` and prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -146,20 +147,19 @@ def report(out: Path, baseline: str | None = None) -> dict:
 
 def variant_table(table: dict, baseline: str | None = None) -> str:
     """One Markdown row per variant: EM on its sample (last step and chosen checkpoint: mean, sd, min over seeds), mean
-    ``train_runtime`` and its speedup over ``baseline`` (default: the first variant).
+    ``train_runtime`` and, where a ``baseline`` variant is named, the speedup over it ("-" otherwise).
 
     >>> print(variant_table({"sync": {"flags": "", "sample": "report", "seeds": [0, 1],
     ...     "last": {"mean": 0.44, "sd": 0.01, "min": 0.43}, "chosen": {"mean": 0.45, "sd": 0.01, "min": 0.44},
     ...     "train_runtime_s": {"mean": 160.0}},
     ...     "async": {"flags": "--async_rollouts true", "sample": "report", "seeds": [0, 1],
     ...     "last": {"mean": 0.43, "sd": 0.02, "min": 0.41}, "chosen": {"mean": 0.44, "sd": 0.02, "min": 0.42},
-    ...     "train_runtime_s": {"mean": 80.0}}}))
+    ...     "train_runtime_s": {"mean": 80.0}}}, baseline="sync"))
     | variant | flags | sample | seeds | EM last: mean (sd, min) | chosen: mean (sd, min) | train_runtime s | speedup |
     | --- | --- | --- | --- | --- | --- | --- | --- |
     | sync | `` | report | 0 1 | 0.440 (0.010, 0.430) | 0.450 (0.010, 0.440) | 160.0 | 1.00x |
     | async | `--async_rollouts true` | report | 0 1 | 0.430 (0.020, 0.410) | 0.440 (0.020, 0.420) | 80.0 | 2.00x |
     """
-    baseline = baseline or next(iter(table), None)
     reference = table[baseline]["train_runtime_s"]["mean"] if baseline in table else None
 
     def em(spread):
@@ -200,7 +200,7 @@ def main() -> None:
     rep.add_argument("out")
     for command in (run, rep):
         command.add_argument("--baseline", default=None,
-                             help="the variant the speedup is over (default: the first one in the table)")
+                             help="the variant the speedup is over (a speed comparison; none without it)")
     args = parser.parse_args()
     if args.command == "run":
         if not args.variant:

@@ -37,6 +37,16 @@ def test_a_baseline_that_has_not_run_yet_leaves_the_speedup_out(tmp_path, capsys
     assert "no speedup: the baseline variant 'sync' has no finished run here (async)" in printed
 
 
+def test_learning_variants_compared_without_a_baseline_get_no_speedup(tmp_path, capsys):
+    finished_run(tmp_path, "base", 0, 160.0, 0.44)
+    finished_run(tmp_path, "steps60", 0, 300.0, 0.45)
+    report(tmp_path)
+    printed = capsys.readouterr().out
+    assert "| base | `` | report | 0 | 0.440 (-, 0.440) | 0.440 (-, 0.440) | 160.0 | - |" in printed
+    assert "| steps60 | `` | report | 0 | 0.450 (-, 0.450) | 0.450 (-, 0.450) | 300.0 | - |" in printed
+    assert "no speedup" not in printed
+
+
 def test_runs_without_a_report_sample_are_read_on_validation_and_say_so(tmp_path, capsys):
     finished_run(tmp_path, "sync", 0, 134.0, 0.43, report_sample=False)
     table = report(tmp_path)
