@@ -188,13 +188,10 @@ async def scripted_traces(tokenizer, envs, config, samples, end_ids: set[int], c
     return rollouts
 
 
-def warm_start(args, model_args, task) -> str:
-    """Write the traces, fine-tune the recipe's model on them, save it; the folder GRPO starts from. ``task`` is the
-    recipe's :class:`~searchr1_trl.recipe.SearchR1Task` (its environment, budgets, question stream and warm-start
-    config)."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer, GenerationConfig
-    from trl import SFTConfig, SFTTrainer, get_peft_config
+def scripted_warm_start_traces(args, model_path: str, tokenizer, task) -> tuple[list[Rollout], list[Rollout]]:
+    """The teacher's traces of the warm start's questions (the training stream reseeded: seed + 1, so GRPO does not
+    start on the questions it was fine-tuned on), and those :func:`keep` accepts."""
+    from transformers import GenerationConfig
 
     config = task.warm_start
     if args.max_turns < 2 + config.second_search:
@@ -204,15 +201,27 @@ def warm_start(args, model_args, task) -> str:
                          "warm_start_traces 0")
     stream = task.train_stream.config
     samples = SearchR1Dataset(replace(stream, seed=stream.seed + 1)).take(config.num_traces)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     try:
-        generation_config = GenerationConfig.from_pretrained(model_args.model_name_or_path)
+        generation_config = GenerationConfig.from_pretrained(model_path)
     except OSError:  # a checkpoint without generation_config.json: the tokenizer's end tokens
         generation_config = None
     end_ids = set(end_token_ids(tokenizer, generation_config))
     rollouts = asyncio.run(_traces_then_close(tokenizer, task.envs, task.rollout, samples, end_ids,
                                               config.second_search))
-    kept = [r for r in rollouts if keep(r)]
+    return rollouts, [r for r in rollouts if keep(r)]
+
+
+def warm_start(args, model_args, task) -> str:
+    """Write the traces, fine-tune the recipe's model on them, save it; the folder GRPO starts from. ``task`` is the
+    recipe's :class:`~searchr1_trl.recipe.SearchR1Task` (its environment, budgets, question stream and warm-start
+    config)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer, get_peft_config
+
+    config = task.warm_start
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+    rollouts, kept = scripted_warm_start_traces(args, model_args.model_name_or_path, tokenizer, task)
     logger.info("warm start: %d of %d scripted traces have a golden answer in their passages (%d after a second "
                 "search, each fine-tuned on %d times)", len(kept), len(rollouts),
                 sum(r.num_tool_calls == 2 for r in kept), config.second_search_repeats)
