@@ -188,6 +188,9 @@ def main() -> None:
     parser.add_argument("--model", help="model folder to train and serve (default: the offline model)")
     parser.add_argument("--dry_run", action="store_true", help="print the launch commands as JSON and exit")
     args, train_overrides = parser.parse_known_args()
+    if any(flag.split("=")[0] == "--model_name_or_path" for flag in train_overrides):
+        parser.error("--model_name_or_path would reach the trainer but not the vLLM server, which would go on serving "
+                     "the offline model; pass --model <folder>, which sets both")
     logging.basicConfig(level=logging.INFO, format="[offline_job %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     start = time.monotonic()
     # For every process started here: glibc's adaptive mmap threshold (up to 32 MiB) keeps freed tensors in the heap,

@@ -65,6 +65,19 @@ def test_an_ipc_plan_serves_on_the_trainers_gpu_with_the_ipc_loader_and_refuses_
         in refused.stderr
 
 
+def test_another_model_is_served_and_trained_through_model_and_refused_through_model_name_or_path(offline_assets):
+    commands = plan("--config", "offline_gpu", "--generator", "vllm", "--model", "/models/Qwen2.5-Coder-1.5B-Instruct")
+    assert commands["generator"]["command"][commands["generator"]["command"].index("--model") + 1] == (
+        "/models/Qwen2.5-Coder-1.5B-Instruct")
+    args = commands["trainer"]["command"]
+    assert [args[i + 1] for i, flag in enumerate(args) if flag == "--model_name_or_path"] == [
+        "/models/Qwen2.5-Coder-1.5B-Instruct"]
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--dry_run", "--config",
+                              "offline_gpu", "--model_name_or_path", "/models/Qwen2.5-Coder-1.5B-Instruct"],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode == 2 and "pass --model <folder>, which sets both" in refused.stderr
+
+
 def test_the_summary_splits_a_step_into_push_rollouts_scoring_and_update():
     spec = importlib.util.spec_from_file_location("offline_job", ROOT / "scripts" / "offline_job.py")
     offline_job = importlib.util.module_from_spec(spec)
