@@ -218,6 +218,7 @@ class SearchR1Config(GRPOConfig):
     warm_start_traces: int = knob("warm_start", "num_traces")
     warm_start_second_search: bool = knob("warm_start", "second_search")
     warm_start_second_search_repeats: int = knob("warm_start", "second_search_repeats")
+    warm_start_answer_traces: int | None = knob("warm_start", "answer_traces")
     warm_start_learning_rate: float = knob("warm_start", "learning_rate")
     warm_start_epochs: float = knob("warm_start", "epochs")
     warm_start_batch_size: int = knob("warm_start", "batch_size")

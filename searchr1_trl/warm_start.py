@@ -7,7 +7,8 @@ would: search the question as asked, then answer with a golden answer the passag
 training rollout engine itself, so the prompt, the tool message (with its restatement), the tokens and the
 environment mask are exactly those of training, against the real retriever; traces whose passages hold no golden
 answer are dropped (the teacher would otherwise teach answering without evidence). The policy is then fine-tuned on
-its own turns only (TRL's ``SFTTrainer``, ``assistant_masks`` = the rollout's env mask) and saved to
+its own turns only (TRL's ``SFTTrainer``, ``assistant_masks`` = the rollout's env mask; with ``answer_traces`` most
+traces teach the search calls alone, so that GRPO has the reading left to learn) and saved to
 ``<output_dir>/warm_start``, the model GRPO starts from; with a ``reload`` generator the server loads it at once
 (``nccl`` and ``ipc`` push it before the first rollouts anyway).
 """
@@ -60,6 +61,13 @@ class WarmStartConfig:
                           "few for the tuned policy to search again (offline_gpu, 3 seeds: 0 second queries in 1,500 "
                           "greedy rollouts of the report sample after the warm start)."},
     )
+    answer_traces: int | None = field(
+        default=None,
+        metadata={"help": "How many of the kept traces teach their answer turn too; None: all. The rest teach only "
+                          "the search calls, the tool protocol, and leave the reading of the passages to GRPO (with "
+                          "every answer taught, offline_gpu's warm start reads at 0.38 EM and GRPO adds +0.03: the "
+                          "ceiling of one search read well)."},
+    )
     learning_rate: float = field(default=1e-5, metadata={"help": "AdamW learning rate of the warm start."})
     epochs: float = field(default=1.0, metadata={"help": "Passes over the warm-start traces."})
     batch_size: int = field(default=8, metadata={"help": "Traces per optimizer step (per device)."})
@@ -70,6 +78,9 @@ class WarmStartConfig:
                 f"expected num_traces >= 0, learning_rate > 0, epochs > 0 and batch_size >= 1, got {self.num_traces}, "
                 f"{self.learning_rate}, {self.epochs}, {self.batch_size}"
             )
+        if self.answer_traces is not None and self.answer_traces < 0:
+            raise ValueError(f"answer_traces={self.answer_traces}: expected >= 0 (0: no answer turn is taught), or "
+                             "None for all")
         if self.second_search_repeats < 1 or (self.second_search_repeats > 1 and not self.second_search):
             raise ValueError(f"second_search_repeats={self.second_search_repeats}: expected >= 1, and > 1 only with "
                              "second_search=True (without it no trace has a second search to repeat)")
@@ -172,6 +183,28 @@ def keep(rollout: Rollout) -> bool:
             and (rollout.num_tool_calls == 1 or not passages_hold_gold(search_results(rollout.messages)[0], answer)))
 
 
+def search_turns_mask(env_mask: list[int]) -> list[int]:
+    """``env_mask`` (1: a token the model wrote) without the final answer turn, its last run of model tokens: the loss
+    of a trace that teaches the search calls alone."""
+    end = len(env_mask)
+    while end and not env_mask[end - 1]:
+        end -= 1
+    start = end
+    while start and env_mask[start - 1]:
+        start -= 1
+    return env_mask[:start] + [0] * (len(env_mask) - start)
+
+
+def fine_tuning_rows(kept: list[Rollout], config: WarmStartConfig) -> list[dict]:
+    """The warm start's fine-tuning set: each kept trace's tokens and its loss mask over the model's own turns. The
+    first ``config.answer_traces`` teach the whole trace, the rest only its search calls; two-search traces are
+    repeated ``config.second_search_repeats`` times."""
+    answers = len(kept) if config.answer_traces is None else config.answer_traces
+    taught = [r if i < answers else replace(r, env_mask=search_turns_mask(r.env_mask)) for i, r in enumerate(kept)]
+    return [{"input_ids": r.prompt_ids + r.completion_ids, "assistant_masks": [0] * len(r.prompt_ids) + r.env_mask}
+            for r in with_second_searches_repeated(taught, config.second_search_repeats)]
+
+
 def with_second_searches_repeated(traces: list[Rollout], repeats: int) -> list[Rollout]:
     """``traces`` (those :func:`keep` accepted) as the warm start fine-tunes on them: each with a second search
     ``repeats`` times, the others once."""
@@ -223,16 +256,13 @@ def warm_start(args, model_args, task) -> str:
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     rollouts, kept = scripted_warm_start_traces(args, model_args.model_name_or_path, tokenizer, task)
     logger.info("warm start: %d of %d scripted traces have a golden answer in their passages (%d after a second "
-                "search, each fine-tuned on %d times)", len(kept), len(rollouts),
-                sum(r.num_tool_calls == 2 for r in kept), config.second_search_repeats)
-    traces = with_second_searches_repeated(kept, config.second_search_repeats)
-    if not traces:
+                "search, each fine-tuned on %d times); %s teach the answer turn", len(kept), len(rollouts),
+                sum(r.num_tool_calls == 2 for r in kept), config.second_search_repeats,
+                "all" if config.answer_traces is None else min(config.answer_traces, len(kept)))
+    if not kept:
         raise RuntimeError(f"none of {len(rollouts)} scripted traces found a golden answer in its passages: is the "
                            f"retriever at {args.search_url} serving the corpus of {args.train_data_path}?")
-    dataset = Dataset.from_list([
-        {"input_ids": r.prompt_ids + r.completion_ids, "assistant_masks": [0] * len(r.prompt_ids) + r.env_mask}
-        for r in traces
-    ])
+    dataset = Dataset.from_list(fine_tuning_rows(kept, config))
     output_dir = Path(args.output_dir) / "warm_start"
     sft_args = SFTConfig(
         output_dir=str(output_dir), learning_rate=config.learning_rate, num_train_epochs=config.epochs,

@@ -22,9 +22,11 @@ from searchr1_trl.search_r1.rubric import normalize_answer, passages_hold_gold
 from searchr1_trl.trainer import SearchR1Config
 from searchr1_trl.warm_start import (
     WarmStartConfig,
+    fine_tuning_rows,
     keep,
     keyword_query,
     scripted_traces,
+    search_turns_mask,
     with_second_searches_repeated,
 )
 
@@ -82,6 +84,35 @@ def test_an_answer_the_passages_do_not_hold_is_not_a_trace(tokenizer, retriever_
     rollouts = asyncio.run(run())
     assert [r.messages[-1]["content"] for r in rollouts] == ["Zyxwvut Qponmlk"] * 4
     assert not any(map(keep, rollouts))
+
+
+def test_the_search_turns_mask_drops_the_last_run_of_model_tokens():
+    assert search_turns_mask([0, 0, 1, 1, 0, 0, 1, 1, 1]) == [0, 0, 1, 1, 0, 0, 0, 0, 0]
+    assert search_turns_mask([1, 1, 0, 1, 0, 0]) == [1, 1, 0, 0, 0, 0]  # env tokens after the answer stay out
+    assert search_turns_mask([0, 1, 1]) == [0, 0, 0]
+    with pytest.raises(ValueError, match="answer_traces=-1: expected >= 0"):
+        WarmStartConfig(num_traces=8, answer_traces=-1)
+
+
+@pytest.mark.slow
+def test_traces_past_answer_traces_teach_only_their_search_calls(tokenizer, retriever_url, questions_file):
+    _, rollouts = traces(tokenizer, retriever_url, questions_file, 8, restate_question=True)
+    kept = [r for r in rollouts if keep(r)][:3]
+    assert len(kept) == 3
+    full = fine_tuning_rows(kept, WarmStartConfig(num_traces=8))
+    one = fine_tuning_rows(kept, WarmStartConfig(num_traces=8, answer_traces=1))
+    none = fine_tuning_rows(kept, WarmStartConfig(num_traces=8, answer_traces=0))
+
+    def taught(row) -> str:
+        return tokenizer.decode([t for t, m in zip(row["input_ids"], row["assistant_masks"], strict=True) if m])
+
+    assert [r["input_ids"] for r in one] == [r["input_ids"] for r in full] == [r["input_ids"] for r in none]
+    assert one[0] == full[0]  # the first answer_traces teach the whole trace
+    for trace, whole, search_only in zip(kept, full, none, strict=True):
+        answer = trace.messages[-1]["content"]
+        assert taught(search_only).startswith("<tool_call>") and taught(search_only).endswith("</tool_call><|im_end|>")
+        assert taught(whole) == f"{taught(search_only)}{answer}<|im_end|>"
+    assert one[1:] == none[1:]
 
 
 def answer_nll(model_dir: Path, rollouts) -> float:
