@@ -12,7 +12,7 @@
 #   bash benchmarks/gpu_path.sh qwen3_1_7b     # the qwen3_1_7b recipe's mechanics with a random-weight Qwen3-1.7B
 #   bash benchmarks/gpu_path.sh beat_rag <gpu> <seed> [recipe flags]  # offline_gpu on one GPU, warm start + GRPO
 #   bash benchmarks/gpu_path.sh eval_table <gpu> <name> <checkpoint>...  # direct / rag / agent, 500 seeded questions
-#   bash benchmarks/gpu_path.sh performance    # one GPU, ~8 min: the retriever vs the one-request-at-a-time reference
+#   bash benchmarks/gpu_path.sh performance    # one GPU, ~10 min: the retriever vs the one-request-at-a-time reference
 #                                              # on this host, its stages, and the policy update's MFU
 #   bash benchmarks/gpu_path.sh update_0_5b    # one GPU, ~4 min: the offline_gpu recipe's update (64 rollouts, 0.5B)
 #                                              # in 8 x 8 micro-batches as committed, fewer larger ones, packed, and
@@ -106,6 +106,13 @@ case "${1:?step}" in
         --out "$RUNS/policy_update.jsonl"
     done
     python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch 8 --dtype bfloat16 \
-      --fp32_master_weights --compile_layers --out "$RUNS/policy_update.jsonl" ;;
+      --fp32_master_weights --compile_layers --out "$RUNS/policy_update.jsonl"
+    # the qwen3_1_7b recipe's own update (checkpointing, packed ragged rollouts), eager and compiled: whether the
+    # recipe turns compile_layers on
+    for lever in "" --compile_layers; do
+      python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch 8 --dtype bfloat16 \
+        --fp32_master_weights --activation_checkpointing --ragged --padding_free $lever \
+        --out "$RUNS/policy_update.jsonl"
+    done ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
