@@ -74,35 +74,50 @@ def _spread(values: list[float]) -> dict[str, float | None]:
 
 
 def runs(out: Path) -> list[dict]:
-    """One record per finished run under ``out``: EM at the warm start, the last step and the checkpoint the run
-    ended on, with what the agent learned there. EM is on the report sample; a run without one
-    (``report_num_samples 0``, e.g. a quick mechanics run) is read on its validation sample and marked so."""
+    """One record per run under ``out``: EM at the warm start, the last step and the checkpoint the run ended on, with
+    what the agent learned there. EM is on the report sample; a run without one (``report_num_samples 0``, e.g. a quick
+    mechanics run) is read on its validation sample and marked so. A run cut short (its machine taken back) has no
+    ``summary.json``: it is read up to its newest checkpoint's ``trainer_state.json`` and marked unfinished."""
     records = []
     for folder in sorted(p for p in out.iterdir() if (p / "command.json").exists()):
-        meta = json.loads((folder / "command.json").read_text())
+        meta = {**json.loads((folder / "command.json").read_text()), "run": folder.name}
         summary_file = folder / "summary.json"
-        if not summary_file.exists():
-            records.append({**meta, "run": folder.name, "finished": False})
+        if summary_file.exists():
+            summary = json.loads(summary_file.read_text())
+            records.append(_record(meta, True, summary["evals"], summary["steps"], summary.get("best_step"),
+                                   summary.get("train_runtime_s"), summary.get("train_searches_by_step")))
             continue
-        summary = json.loads(summary_file.read_text())
-        evals = {e["step"]: e for e in summary["evals"]}
-        start, last = evals[min(evals)], evals[max(evals)]
-        best_step = summary.get("best_step")
-        chosen = evals.get(best_step, last)
-        prefix = "report" if start.get("report_em") is not None else "eval"
-        learned = ("searches_per_rollout", "second_query_rate", "first_search_missed", "em_first_search_missed")
-        records.append({
-            **meta, "run": folder.name, "finished": True, "steps": summary["steps"],
-            "train_runtime_s": summary.get("train_runtime_s"), "best_step": best_step,
-            "sample": "report" if prefix == "report" else "validation",
-            "em": {"start": start.get(f"{prefix}_em"), "last": last.get(f"{prefix}_em"),
-                   "chosen": chosen.get(f"{prefix}_em")},
-            "eval_em": {"start": start.get("eval_em"), "last": last.get("eval_em"), "chosen": chosen.get("eval_em")},
-            "learned": {key: chosen.get(f"{prefix}_{key}") for key in learned},
-            "learned_start": {key: start.get(f"{prefix}_{key}") for key in learned},
-            "train_searches_by_step": summary.get("train_searches_by_step"),
-        })
+        states = sorted(folder.glob("checkpoint-*/trainer_state.json"), key=lambda f: int(f.parent.name.split("-")[1]))
+        state = json.loads(states[-1].read_text()) if states else {}
+        evals = [e for e in state.get("log_history", []) if "eval_em" in e]
+        if not evals:
+            records.append({**meta, "finished": False, "steps": None})
+            continue
+        searches = {e["step"]: e["rollout/searches_per_rollout"] for e in state["log_history"]
+                    if "rollout/searches_per_rollout" in e}
+        records.append(_record(meta, False, evals, state["global_step"], state.get("best_global_step"), None,
+                               searches))
     return records
+
+
+def _record(meta: dict, finished: bool, evals: list[dict], steps: int, best_step: int | None,
+            runtime: float | None, train_searches: dict | None) -> dict:
+    by_step = {e["step"]: e for e in evals}
+    start, last = by_step[min(by_step)], by_step[max(by_step)]
+    chosen = by_step.get(best_step, last)
+    prefix = "report" if start.get("report_em") is not None else "eval"
+    learned = ("searches_per_rollout", "second_query_rate", "first_search_missed", "em_first_search_missed")
+    return {
+        **meta, "finished": finished, "steps": steps, "train_runtime_s": runtime, "best_step": best_step,
+        "sample": "report" if prefix == "report" else "validation",
+        "em": {"start": start.get(f"{prefix}_em"), "last": last.get(f"{prefix}_em"),
+               "chosen": chosen.get(f"{prefix}_em")},
+        "last_step": last["step"],
+        "eval_em": {"start": start.get("eval_em"), "last": last.get("eval_em"), "chosen": chosen.get("eval_em")},
+        "learned": {key: chosen.get(f"{prefix}_{key}") for key in learned},
+        "learned_start": {key: start.get(f"{prefix}_{key}") for key in learned},
+        "train_searches_by_step": train_searches,
+    }
 
 
 def report(out: Path, baseline: str | None = None) -> dict:
@@ -131,11 +146,12 @@ def report(out: Path, baseline: str | None = None) -> dict:
           "searches | 2nd query | EM when 1st search missed | train_runtime s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in records:
-        if not r["finished"]:
+        if "em" not in r:
             print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | unfinished | | | | | | | | | |")
             continue
         em, learned = r["em"], r["learned"]
-        print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | {r['sample']} | {fmt(em['start'])} | "
+        sample = r["sample"] if r["finished"] else f"{r['sample']} (unfinished: evaluated to step {r['last_step']})"
+        print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | {sample} | {fmt(em['start'])} | "
               f"{fmt(em['last'])} | {fmt(em['chosen'])} ({r['best_step']}) | {em['last'] - em['start']:+.3f} | "
               f"{em['chosen'] - em['start']:+.3f} | {fmt(learned['searches_per_rollout'])} | "
               f"{fmt(learned['second_query_rate'])} | {fmt(learned['em_first_search_missed'])} | "

@@ -52,3 +52,29 @@ def test_runs_without_a_report_sample_are_read_on_validation_and_say_so(tmp_path
     table = report(tmp_path)
     assert table["sync"]["sample"] == "validation" and table["sync"]["gain_last"]["mean"] == 0.05
     assert "| sync | `` | 0 | validation | 0.400 | 0.450 | 0.450 (30) | +0.050 |" in capsys.readouterr().out
+
+
+def test_a_run_cut_short_is_read_to_its_newest_checkpoint_and_kept_out_of_the_means(tmp_path, capsys):
+    finished_run(tmp_path, "ans0", 0, 300.0, 0.44)
+    folder = tmp_path / "ans0_s1"
+    folder.mkdir()
+    (folder / "command.json").write_text(json.dumps({"variant": "ans0", "flags": "", "seed": 1, "command": []}))
+    history = [{"step": 0, "eval_em": 0.20, "report_em": 0.18}, {"step": 5, "rollout/searches_per_rollout": 0.9},
+               {"step": 10, "eval_em": 0.30, "report_em": 0.28}, {"step": 20, "eval_em": 0.33, "report_em": 0.31}]
+    for step, entries in [(9, history[:2]), (20, history)]:  # the newest by step, not by name, is read
+        (folder / f"checkpoint-{step}").mkdir()
+        (folder / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps(
+            {"global_step": step, "best_global_step": 10, "log_history": entries}))
+    (tmp_path / "ans0_s2").mkdir()  # started, never evaluated
+    (tmp_path / "ans0_s2" / "command.json").write_text(json.dumps({"variant": "ans0", "flags": "", "seed": 2,
+                                                                    "command": []}))
+    table = report(tmp_path)
+    assert table["ans0"]["seeds"] == [0] and table["ans0"]["unfinished"] == ["ans0_s1", "ans0_s2"]
+    assert table["ans0"]["last"]["mean"] == 0.44
+    cut = json.loads((tmp_path / "learning.json").read_text())["runs"][1]
+    assert (cut["finished"], cut["steps"], cut["em"], cut["train_searches_by_step"]) == (
+        False, 20, {"start": 0.18, "last": 0.31, "chosen": 0.28}, {"5": 0.9})
+    printed = capsys.readouterr().out
+    assert ("| ans0 | `` | 1 | report (unfinished: evaluated to step 20) | 0.180 | 0.310 | 0.280 (10) | +0.130 |"
+            in printed)
+    assert "| ans0 | `` | 2 | unfinished |" in printed
