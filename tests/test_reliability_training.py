@@ -26,7 +26,7 @@ from searchr1_trl.search_r1.data import SearchR1Dataset
 from searchr1_trl.trainer import CHECKPOINT_COMPLETE_FILE, SearchR1Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS_PER_STEP = 2  # small_config: 2 per device x 2 accumulation / 2 generations
+QUESTIONS_PER_STEP = 1  # small_config: 1 per device x 2 accumulation / 2 generations
 
 # The child trains 3 steps, saving every step and keeping one checkpoint, and SIGKILLs itself at step 2: "after" a
 # checkpoint (it is saved, marked complete and the older one rotated away), or "during" one (where transformers

@@ -25,8 +25,11 @@ from searchr1_trl.weight_sync import save_for_reload, weight_push
 
 
 def small_config(tmp_path, questions_file, retriever_url, **overrides) -> SearchR1Config:
+    # One question x 2 rollouts a step, in micro-batches of 1 (the offline recipe's shape): on CPU TRL's fused LM head
+    # scores every position of a row against the 152k vocabulary, about 3 s a row of this prompt for a step of the
+    # tiny model, whatever its size. A test that needs more rollouts asks for them.
     values = dict(
-        output_dir=str(tmp_path / "run"), use_cpu=True, max_steps=1, per_device_train_batch_size=2,
+        output_dir=str(tmp_path / "run"), use_cpu=True, max_steps=1, per_device_train_batch_size=1,
         gradient_accumulation_steps=2, num_generations=2, max_turns=2, max_tokens_per_turn=48,
         max_rollout_tokens=1536, train_data_path=questions_file, eval_data_path=questions_file,
         eval_data_source=None, eval_num_samples=4, eval_strategy="no", save_strategy="no", search_url=retriever_url,
@@ -69,9 +72,10 @@ def model_logprobs(model, token_ids: list[int]) -> torch.Tensor:
 @pytest.fixture
 def masking_trainer(tiny_model_dir, vllm_server, retriever_url, questions_file, tmp_path):
     """Real multi-turn rollouts (offline model on the vLLM server, real retriever) scored by a tiny policy: which
-    tokens count in the loss does not depend on the policy's size, and a tiny one keeps the test fast."""
+    tokens count in the loss does not depend on the policy's size, and a tiny one keeps the test fast. Two questions
+    x 2 rollouts, so that at least one of them searches."""
     args = small_config(tmp_path, questions_file, retriever_url, vllm_server_base_url=vllm_server.base_url,
-                        generator="vllm", weight_sync="reload")
+                        generator="vllm", weight_sync="reload", per_device_train_batch_size=2)
     return trainer_with_text_reward(str(tiny_model_dir), args)
 
 
@@ -296,7 +300,7 @@ def test_a_resumed_run_draws_the_same_questions_as_an_uninterrupted_one(tiny_mod
         assert trainer._loop is None and trainer.envs.retrieval._http is None
         return stream.drawn, args
 
-    questions_per_step = 2
+    questions_per_step = 1  # small_config: 1 per device x 2 accumulation / 2 generations
     killed, args = run("killed", callbacks=[StopAfter(2)])
     checkpoint = Path(args.output_dir) / "checkpoint-2"
     assert json.loads((checkpoint / STREAM_STATE_FILE).read_text())["cursor"] == 2 * questions_per_step
