@@ -82,14 +82,21 @@ def test_searchr1_train_trains_from_the_installed_package(venv, tiny_model_dir, 
 
 def test_searchr1_eval_and_ask_run_from_the_installed_package(venv, offline_assets, vllm_server, retriever_url,
                                                               two_source_questions):
+    """The eval through the real vLLM server is also test_eval_cli's: every method's row, in order, and answers
+    without the template's special tokens (one pass of the CPU server's generation for both)."""
     out = venv.parent / "eval"
     common = ["--search_url", retriever_url, "--restate_question", "true", "--bare_json_tool_calls", "true",
               "--max_turns", "2", "--max_tokens_per_turn", "32"]
     finished = run(venv, "searchr1-eval", "--checkpoints", offline_assets.model, "--data", two_source_questions,
-                   "--num_samples", "1", "--vllm_server_base_url", vllm_server.base_url, "--output_dir", str(out),
+                   "--num_samples", "2", "--vllm_server_base_url", vllm_server.base_url, "--output_dir", str(out),
                    *common)
     assert "| direct |" in finished.stdout and "| rag |" in finished.stdout and "| agent |" in finished.stdout
-    assert len((out / "traces.jsonl").read_text().splitlines()) == 3 * 2
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert [row["method"] for row in rows] == ["direct", "rag", "agent"]
+    traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
+    assert len(traces) == 3 * 2 * 2  # methods x sources x questions
+    specials = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")
+    assert not any(s in (t["answer"] or "") for t in traces for s in specials)
 
     asked = run(venv, "searchr1-ask", "--checkpoint", offline_assets.model, "--question",
                 "Which NFL team represented the AFC at Super Bowl 50?", "--json", "--vllm_server_base_url",
