@@ -73,9 +73,10 @@ def model_logprobs(model, token_ids: list[int]) -> torch.Tensor:
 def masking_trainer(tiny_model_dir, vllm_server, retriever_url, questions_file, tmp_path):
     """Real multi-turn rollouts (offline model on the vLLM server, real retriever) scored by a tiny policy: which
     tokens count in the loss does not depend on the policy's size, and a tiny one keeps the test fast. Two questions
-    x 2 rollouts, so that at least one of them searches."""
+    x 2 rollouts, so that at least one of them searches; one passage a search, as the tool tokens' count does not
+    matter either and every loss below scores each row's every position."""
     args = small_config(tmp_path, questions_file, retriever_url, vllm_server_base_url=vllm_server.base_url,
-                        generator="vllm", weight_sync="reload", per_device_train_batch_size=2)
+                        generator="vllm", weight_sync="reload", per_device_train_batch_size=2, topk=1)
     return trainer_with_text_reward(str(tiny_model_dir), args)
 
 
