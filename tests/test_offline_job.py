@@ -1,18 +1,45 @@
 """The GPU plans of scripts/offline_job.py, checked on CPU through --dry_run (the commands it would launch)."""
 
+import contextlib
+import functools
 import importlib.util
+import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
+def offline_job():
+    """scripts/offline_job.py as a module."""
+    spec = importlib.util.spec_from_file_location("offline_job", ROOT / "scripts" / "offline_job.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dry_run(*flags: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``offline_job.py --dry_run *flags``, run in this process: a fresh interpreter
+    took 4 s a plan to import torch again (one test runs the script as a command)."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with mock.patch.object(sys, "argv", ["offline_job.py", "--dry_run", *flags]), mock.patch.dict(os.environ), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            offline_job().main()
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, out.getvalue(), err.getvalue()
+
+
 def plan(*flags: str) -> dict:
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--dry_run", *flags],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
-    return json.loads(out.stdout)
+    code, out, err = dry_run(*flags)
+    assert code == 0, err
+    return json.loads(out)
 
 
 def test_two_gpu_plan_puts_generator_trainer_and_retriever_on_their_gpus_and_syncs_over_nccl(offline_assets):
@@ -57,6 +84,7 @@ def test_an_ipc_plan_serves_on_the_trainers_gpu_with_the_ipc_loader_and_refuses_
     assert args[args.index("--weight_sync") + 1] == "ipc"
     plain = plan("--config", "offline_gpu", "--generator", "vllm")["generator"]["command"]
     assert "--worker-extension-cls" not in plain
+    # the script itself, as a command
     refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--dry_run", "--config",
                               "offline_gpu", "--generator", "vllm", "--weight_sync", "ipc", "--generator_gpu", "0",
                               "--trainer_gpu", "1"], capture_output=True, text=True, cwd=ROOT)
@@ -72,19 +100,14 @@ def test_another_model_is_served_and_trained_through_model_and_refused_through_m
     args = commands["trainer"]["command"]
     assert [args[i + 1] for i, flag in enumerate(args) if flag == "--model_name_or_path"] == [
         "/models/Qwen2.5-Coder-1.5B-Instruct"]
-    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--dry_run", "--config",
-                              "offline_gpu", "--model_name_or_path", "/models/Qwen2.5-Coder-1.5B-Instruct"],
-                             capture_output=True, text=True, cwd=ROOT)
-    assert refused.returncode == 2 and "pass --model <folder>, which sets both" in refused.stderr
+    code, _, err = dry_run("--config", "offline_gpu", "--model_name_or_path", "/models/Qwen2.5-Coder-1.5B-Instruct")
+    assert code == 2 and "pass --model <folder>, which sets both" in err
 
 
 def test_the_summary_splits_a_step_into_push_rollouts_scoring_and_update():
-    spec = importlib.util.spec_from_file_location("offline_job", ROOT / "scripts" / "offline_job.py")
-    offline_job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(offline_job)
     step = {"step_time": 6.0, "rollout/time_s": 2.0, "weight_sync/time_s": 0.5, "generate_and_score/time_s": 3.0,
             "rollout/generated_tokens": 400.0}
     history = [step, {**step, "step_time": 8.0, "generate_and_score/time_s": 4.0}, {"eval_runtime": 5.0}]
-    assert offline_job.time_split(history, rollouts_per_step=64) == {
+    assert offline_job().time_split(history, rollouts_per_step=64) == {
         "step": 7.0, "rollout": 2.0, "weight_sync": 0.5, "scoring": 1.0, "policy_update": 3.5,
         "evaluation_each": 5.0, "rollout_tokens_per_s": 200.0, "rollouts_per_s": 32.0}
