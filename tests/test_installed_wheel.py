@@ -7,6 +7,7 @@ on CPU); the package itself comes only from the wheel, run from a folder outside
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -83,13 +84,23 @@ def test_searchr1_train_trains_from_the_installed_package(venv, tiny_model_dir, 
 def test_searchr1_eval_and_ask_run_from_the_installed_package(venv, offline_assets, vllm_server, retriever_url,
                                                               two_source_questions):
     """The eval through the real vLLM server is also test_eval_cli's: every method's row, in order, and answers
-    without the template's special tokens (one pass of the CPU server's generation for both)."""
+    without the template's special tokens (one pass of the CPU server's generation for both). The three commands run
+    side by side, as clients of one server do: its CPU engine decodes their requests in the same batches."""
     out = venv.parent / "eval"
     common = ["--search_url", retriever_url, "--restate_question", "true", "--bare_json_tool_calls", "true",
               "--max_turns", "2", "--max_tokens_per_turn", "32"]
-    finished = run(venv, "searchr1-eval", "--checkpoints", offline_assets.model, "--data", two_source_questions,
-                   "--num_samples", "2", "--vllm_server_base_url", vllm_server.base_url, "--output_dir", str(out),
-                   *common)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        evaluating = pool.submit(run, venv, "searchr1-eval", "--checkpoints", offline_assets.model, "--data",
+                                 two_source_questions, "--num_samples", "2", "--vllm_server_base_url",
+                                 vllm_server.base_url, "--output_dir", str(out), *common)
+        asking = pool.submit(run, venv, "searchr1-ask", "--checkpoint", offline_assets.model, "--question",
+                             "Which NFL team represented the AFC at Super Bowl 50?", "--json", "--vllm_server_base_url",
+                             vllm_server.base_url, *common)
+        asking_text = pool.submit(run, venv, "searchr1-ask", "--checkpoint", offline_assets.model,
+                                  "--vllm_server_base_url", vllm_server.base_url, *common,
+                                  input="Where did Super Bowl 50 take place?\n")
+    finished, asked, text = evaluating.result(), asking.result(), asking_text.result()
+
     assert "| direct |" in finished.stdout and "| rag |" in finished.stdout and "| agent |" in finished.stdout
     rows = json.loads((out / "results.json").read_text())["results"]
     assert [row["method"] for row in rows] == ["direct", "rag", "agent"]
@@ -98,12 +109,7 @@ def test_searchr1_eval_and_ask_run_from_the_installed_package(venv, offline_asse
     specials = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")
     assert not any(s in (t["answer"] or "") for t in traces for s in specials)
 
-    asked = run(venv, "searchr1-ask", "--checkpoint", offline_assets.model, "--question",
-                "Which NFL team represented the AFC at Super Bowl 50?", "--json", "--vllm_server_base_url",
-                vllm_server.base_url, *common)
     answer = json.loads(asked.stdout)
     assert set(answer) >= {"question", "answer", "searches", "status", "messages"}
     assert all(set(search) == {"query", "titles", "failed"} for search in answer["searches"])
-    text = run(venv, "searchr1-ask", "--checkpoint", offline_assets.model, "--vllm_server_base_url",
-               vllm_server.base_url, *common, input="Where did Super Bowl 50 take place?\n")
     assert text.stdout.startswith("question: Where did Super Bowl 50 take place?\n") and "\nanswer: " in text.stdout
