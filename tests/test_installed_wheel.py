@@ -72,8 +72,10 @@ def test_searchr1_train_finds_a_shipped_recipe_and_checks_its_plan_first(venv):
 def test_searchr1_train_trains_from_the_installed_package(venv, tiny_model_dir, questions_file, retriever_url):
     out = venv.parent / "train"
     # --use_peft false: the recipe's LoRA targets layers 16-23 of the 24-layer 0.5B, the tiny model has 2.
+    # --gradient_accumulation_steps 2: 2 rollouts, not the recipe's 4 (each costs seconds in TRL's LM head on CPU).
     run(venv, "searchr1-train", "--config", "offline", "--model_name_or_path", str(tiny_model_dir),
-        "--use_peft", "false", "--generator", "transformers", "--train_data_path", questions_file,
+        "--use_peft", "false", "--gradient_accumulation_steps", "2", "--generator", "transformers",
+        "--train_data_path", questions_file,
         "--eval_data_path", questions_file,
         "--eval_num_samples", "2", "--eval_data_source", "squad", "--search_url", retriever_url, "--max_steps", "1",
         "--max_tokens_per_turn", "8", "--output_dir", str(out), "--report_to", "none", "--save_strategy", "no")
