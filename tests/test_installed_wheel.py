@@ -87,10 +87,11 @@ def test_searchr1_eval_and_ask_run_from_the_installed_package(venv, offline_asse
                                                               two_source_questions):
     """The eval through the real vLLM server is also test_eval_cli's: every method's row, in order, and answers
     without the template's special tokens (one pass of the CPU server's generation for both). The three commands run
-    side by side, as clients of one server do: its CPU engine decodes their requests in the same batches."""
+    side by side, as clients of one server do: its CPU engine decodes their requests in the same batches. One passage a
+    search: the CPU server reads a passage at about 2 s, and what these commands print does not depend on how many."""
     out = venv.parent / "eval"
-    common = ["--search_url", retriever_url, "--restate_question", "true", "--bare_json_tool_calls", "true",
-              "--max_turns", "2", "--max_tokens_per_turn", "32"]
+    common = ["--search_url", retriever_url, "--topk", "1", "--restate_question", "true", "--bare_json_tool_calls",
+              "true", "--max_turns", "2", "--max_tokens_per_turn", "32"]
     with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
         evaluating = pool.submit(run, venv, "searchr1-eval", "--checkpoints", offline_assets.model, "--data",
                                  two_source_questions, "--num_samples", "2", "--vllm_server_base_url",
