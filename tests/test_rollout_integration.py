@@ -33,7 +33,9 @@ def questions(squad_dev_sample) -> list[SearchR1Sample]:
 @pytest.fixture(scope="module")
 def rollouts(vllm_server, retriever_url, tokenizer, questions):
     """(rollouts, env metrics) of greedy rollouts of every question."""
-    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url))
+    # One passage a search: the CPU server prefills ~150 tokens a passage for every searching rollout, and no check
+    # here depends on how many passages come back.
+    env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url, topk=1))
     generator = VLLMServerGenerator(vllm_server.base_url)
     # The offline Qwen2.5-Coder-0.5B-Instruct calls tools as bare JSON, never in <tool_call> tags (greedy or not).
     config = RolloutConfig(max_turns=2, max_rollout_tokens=2048, bare_json_tool_calls=True)
