@@ -26,8 +26,8 @@ from searchr1_trl.weight_sync import save_for_reload, weight_push
 
 def small_config(tmp_path, questions_file, retriever_url, **overrides) -> SearchR1Config:
     # One question x 2 rollouts a step, in micro-batches of 1 (the offline recipe's shape): on CPU TRL's fused LM head
-    # scores every position of a row against the 152k vocabulary, about 3 s a row of this prompt for a step of the
-    # tiny model, whatever its size. A test that needs more rollouts asks for them.
+    # scores every position of a row against the 152k vocabulary, 1.5-2 s a row of the ~270-token prompt for a step
+    # of the tiny model, whatever the model's size. A test that needs more rollouts asks for them.
     values = dict(
         output_dir=str(tmp_path / "run"), use_cpu=True, max_steps=1, per_device_train_batch_size=1,
         gradient_accumulation_steps=2, num_generations=2, max_turns=2, max_tokens_per_turn=48,

@@ -141,7 +141,7 @@ def test_grpo_starts_from_the_warm_started_model(tiny_model_dir, tokenizer, retr
         eval_data_source=None, eval_strategy="no", save_strategy="no", report_to="none",
         search_url=retriever_url, generator="transformers", restate_question=True, bare_json_tool_calls=True, topk=1,
         # Few, short traces one at a time: TRL's SFT loss scores every position of a trace against the 152k
-        # vocabulary on CPU, about 3 s a trace whatever the batch, and steps of one learn more per trace (8 traces x 2
+        # vocabulary on CPU, 2-3 s a trace whatever the batch, and steps of one learn more per trace (8 traces x 2
         # epochs lowered the NLL by 2.2 nats in 39 s; 12 x 3 in batches of 4 by 1.3 in 80 s).
         warm_start_traces=8, warm_start_learning_rate=3e-3, warm_start_epochs=2, warm_start_batch_size=1,
         fp32_master_weights=True,
