@@ -20,6 +20,8 @@ restores the template-only parsers (then the 0.5B's rollouts are one turn). The 
 
     python -m benchmarks.rollout_throughput --num_questions 16 --backends vllm trl \
         --out docs/results/rollout_throughput.jsonl
+    # the same searches at wiki-18's cost: the index padded to 21M x 768 by random vectors (32 GB fp16 on the GPU)
+    python -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --pad_index_rows 21000000
 
 Nothing assumes a CPU: on a CUDA machine the vLLM server runs on the GPU with its default dtype (``--vllm_gpu``
 picks which), and (b)'s model goes to the GPU. (c) skips the NCCL weight-transfer handshake GRPOTrainer performs in
@@ -217,6 +219,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backends", nargs="+", default=["transformers", "vllm", "trl"],
                         choices=["transformers", "vllm", "trl"])
     parser.add_argument("--repeats", type=int, default=1, help="runs of (a) and (c), in alternating order")
+    parser.add_argument("--pad_index_rows", type=int,
+                        help="serve the index padded to this many rows by random vectors (wiki-18: 21000000), so "
+                             "searches cost what they cost at that scale (benchmarks/padded_retriever.py)")
+    parser.add_argument("--pad_index_dim", type=int, default=768, help="vector width of the padded index")
     parser.add_argument("--out", help="append the JSON lines to this file (docs/results/rollout_throughput.jsonl)")
     args = parser.parse_args(argv)
     if args.num_questions < 2 or args.num_questions % 2:
@@ -240,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     workload_row = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu x{os.cpu_count()}",
                     "model": Path(model_path).name, "num_rollouts": args.num_questions, "max_tokens": args.max_tokens,
                     "max_turns": args.max_turns, "temperature": args.temperature,
-                    "bare_json_tool_calls": args.bare_json_tool_calls}
+                    "bare_json_tool_calls": args.bare_json_tool_calls,
+                    "index_rows": args.pad_index_rows, "index_dim": args.pad_index_dim if args.pad_index_rows else None}
     results = []
 
     def record(result: Result) -> None:
@@ -254,8 +261,11 @@ def main(argv: list[str] | None = None) -> None:
         index = work / "index.faiss"
         subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", str(corpus),
                         "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)
+        padded = (dict(module="benchmarks.padded_retriever", extra_args=(
+            "--pad_to_rows", str(args.pad_index_rows), "--pad_to_dim", str(args.pad_index_dim)))
+            if args.pad_index_rows else {})
         with RetrieverProcess(index_path=str(index), corpus_path=str(corpus), retriever_model=assets.embedder,
-                              port=free_port(), log_file=str(work / "retriever.log")) as retriever:
+                              port=free_port(), log_file=str(work / "retriever.log"), **padded) as retriever:
             print(f"{len(samples)} rollouts of {len(samples) // 2} questions, {params}, {rollout_config}", flush=True)
             if "transformers" in args.backends:  # before vLLM starts, so they don't share the device
                 model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.transformers_dtype))

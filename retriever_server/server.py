@@ -45,6 +45,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -298,7 +299,9 @@ def probe(retriever: Retriever) -> None:
         raise ValueError(f"a probe query found {len(hits.documents)} passages, expected 1: is the index empty?")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, adapt: Callable[[Retriever], Retriever] | None = None) -> None:
+    """Serve until stopped. ``adapt`` replaces the loaded retriever before the probe (``benchmarks.padded_retriever``
+    pads its index to wiki-18's size)."""
     logging.basicConfig(level=logging.INFO, format="[retriever] %(message)s")
     parser = HfArgumentParser([ServerConfig, EncoderConfig, SearchConfig, BatcherConfig], description=__doc__)
     try:
@@ -306,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
         set_cpu_threads(config.cpu_threads)
         start = time.monotonic()
         retriever = Retriever.from_paths(config.index_path, config.corpus_path, encoder_config, search_config)
+        if adapt is not None:
+            retriever = adapt(retriever)
         probe(retriever)
     except (ValueError, OSError) as error:  # bad flags, mismatched parts, missing files: what to change, in a line
         sys.exit("error: " + " ".join(str(error).split()))
