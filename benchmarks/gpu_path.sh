@@ -17,6 +17,8 @@
 #   bash benchmarks/gpu_path.sh update_0_5b    # one GPU, ~4 min: the offline_gpu recipe's update (64 rollouts, 0.5B)
 #                                              # in 8 x 8 micro-batches as committed, fewer larger ones, packed, and
 #                                              # with compiled layers (policy_update_0_5b.jsonl)
+#   bash benchmarks/gpu_path.sh trainer_compile  # one GPU, ~4 min: 12 GRPO steps eager and with compile_layers
+#   bash benchmarks/gpu_path.sh rollouts_wiki   # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh async_e2e <sync|async|pause|sync_ipc|async_ipc> [gpu]  # offline_gpu, 3 seeds side
 #                                              # by side: lock-step, async rollouts, async pausing in-flight rollouts
 #                                              # for a push, or either pushing through CUDA IPC: one table in
@@ -87,6 +89,14 @@ case "${1:?step}" in
       python3 -m benchmarks.policy_update --model "$MODEL" --seq 1024 --ragged $lever \
         --out "$RUNS/policy_update_0_5b.jsonl"
     done ;;
+  trainer_compile)  # the trainer's own step, eager against compiled decoder layers: 12 steps, one seed side by side
+    F="--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200"
+    python3 -m benchmarks.learning run --out "$RUNS/trainer_compile" --seeds 0 --eager --baseline eager \
+      --variant "eager=$F --weight_sync ipc" --variant "compiled=$F --weight_sync ipc --compile_layers true" ;;
+  rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768
+    python3 -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \
+      --pad_index_rows 21000000 --pad_index_dim 768 --vllm_gpu_memory_utilization 0.5 \
+      --out "$RUNS/rollout_throughput_wiki.jsonl" ;;
   performance)
     for load in "64 1" "8 64"; do
       read -r clients queries <<<"$load"

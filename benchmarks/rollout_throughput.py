@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm_base_url", help="use this running vLLM server of the model instead of starting one")
     parser.add_argument("--vllm_port", type=int, help="port of the vLLM server the script starts (default: a free one)")
     parser.add_argument("--vllm_gpu", help="CUDA_VISIBLE_DEVICES of the vLLM server the script starts")
+    parser.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.9,
+                        help="share of the GPU the vLLM server takes (leave room for a padded index on the same GPU)")
     parser.add_argument("--vllm_enforce_eager", action="store_true",
                         help="vLLM without CUDA graphs on GPU (faster start; always on for CPU)")
     parser.add_argument("--model", help="model folder (default: the offline Qwen2.5-Coder-0.5B-Instruct)")
@@ -277,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             if {"vllm", "trl"} & set(args.backends):
                 server_config = VLLMServerConfig.for_this_machine(
                     model_path, port=args.vllm_port or free_port(), max_model_len=4096, log_file=str(work / "vllm.log"),
+                    gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                     env={"CUDA_VISIBLE_DEVICES": args.vllm_gpu} if args.vllm_gpu is not None else {},
                     **({"enforce_eager": True} if args.vllm_enforce_eager else {}))
                 with contextlib.ExitStack() as stack:
