@@ -87,7 +87,8 @@ def stack_trainer(offline_assets, vllm_server, retriever_url, questions_file, tm
     step stays short."""
     args = small_config(tmp_path, questions_file, retriever_url, learning_rate=1e-4, per_device_train_batch_size=4,
                         gradient_accumulation_steps=1, num_generations=4, max_turns=1, max_tokens_per_turn=16,
-                        vllm_server_base_url=vllm_server.base_url, generator="vllm", weight_sync="reload")
+                        vllm_server_base_url=vllm_server.base_url, generator="vllm", weight_sync="reload",
+                        activation_checkpointing=False)
     trainer = trainer_with_text_reward(offline_assets.model, args)
     yield trainer
     reload_weights(vllm_server.base_url, offline_assets.model)  # the server is shared: give it its weights back
@@ -122,15 +123,17 @@ def checksums(model) -> dict[str, int]:
     return {n: zlib.crc32(p.detach().numpy().data) for n, p in model.named_parameters()}
 
 
-TRAINED_LAYERS = re.compile(r"\.layers\.(2[0-3])\.")
+TRAINED_LAYERS = re.compile(r"\.layers\.(23)\.")
 
 
 @pytest.mark.slow
 def test_a_grpo_step_through_the_whole_stack_changes_the_weights_and_syncs_them(stack_trainer, vllm_server,
                                                                               offline_assets, tokenizer):
     trainer = stack_trainer
-    # The last 4 of 24 decoder layers train: the step, the push of the whole model and the server's reload are the
-    # same, while gradients and Adam state for the rest would take 6 GiB more of the suite's peak.
+    # The last of 24 decoder layers trains: the step, the push of the whole model and the server's reload are the
+    # same, while gradients and Adam state for the rest would take 6 GiB more of the suite's peak. Without activation
+    # checkpointing (the fixture's): with it and 4 trained layers the backward took 29 s of this test's 64 on a
+    # 2-core CPU, without it and with one layer the test takes 37 s (the tiny-model tests keep the checkpointing).
     trained_names = {n for n, p in trainer.model.named_parameters() if TRAINED_LAYERS.search(n)}
     for name, parameter in trainer.model.named_parameters():
         parameter.requires_grad_(name in trained_names)
