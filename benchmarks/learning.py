@@ -162,36 +162,27 @@ def report(out: Path, baseline: str | None = None) -> dict:
 
 
 def variant_table(table: dict, baseline: str | None = None) -> str:
-    """One Markdown row per variant: EM on its sample (last step and chosen checkpoint: mean, sd, min over seeds), mean
-    ``train_runtime`` and, where a ``baseline`` variant is named, the speedup over it ("-" otherwise).
-
-    >>> print(variant_table({"sync": {"flags": "", "sample": "report", "seeds": [0, 1],
-    ...     "last": {"mean": 0.44, "sd": 0.01, "min": 0.43}, "chosen": {"mean": 0.45, "sd": 0.01, "min": 0.44},
-    ...     "train_runtime_s": {"mean": 160.0}},
-    ...     "async": {"flags": "--async_rollouts true", "sample": "report", "seeds": [0, 1],
-    ...     "last": {"mean": 0.43, "sd": 0.02, "min": 0.41}, "chosen": {"mean": 0.44, "sd": 0.02, "min": 0.42},
-    ...     "train_runtime_s": {"mean": 80.0}}}, baseline="sync"))
-    | variant | flags | sample | seeds | EM last: mean (sd, min) | chosen: mean (sd, min) | train_runtime s | speedup |
-    | --- | --- | --- | --- | --- | --- | --- | --- |
-    | sync | `` | report | 0 1 | 0.440 (0.010, 0.430) | 0.450 (0.010, 0.440) | 160.0 | 1.00x |
-    | async | `--async_rollouts true` | report | 0 1 | 0.430 (0.020, 0.410) | 0.440 (0.020, 0.420) | 80.0 | 2.00x |
-    """
+    """One Markdown row per variant, each figure a mean (sd, min) over seeds on its sample: EM of the warm start, the
+    last step and the chosen checkpoint, and GRPO's gain over the warm start at both (what issue 22's goal reads);
+    mean ``train_runtime`` and, where a ``baseline`` variant is named, the speedup over it ("-" otherwise). Rows as
+    printed: tests/test_learning_report.py."""
     reference = table[baseline]["train_runtime_s"]["mean"] if baseline in table else None
 
-    def em(spread):
-        if spread["mean"] is None:
+    def spread(value: dict, sign: str = "") -> str:
+        if value["mean"] is None:
             return "-"
-        sd = "-" if spread["sd"] is None else f"{spread['sd']:.3f}"
-        return f"{spread['mean']:.3f} ({sd}, {spread['min']:.3f})"
+        sd = "-" if value["sd"] is None else f"{value['sd']:.3f}"
+        return f"{value['mean']:{sign}.3f} ({sd}, {value['min']:{sign}.3f})"
 
-    lines = ["| variant | flags | sample | seeds | EM last: mean (sd, min) | chosen: mean (sd, min) | "
-             "train_runtime s | speedup |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| variant | flags | sample | seeds | warm start | EM last step | EM chosen | gain, last step | "
+             "gain, chosen | train_runtime s | speedup |", "| --- " * 11 + "|"]
     for variant, row in table.items():
         runtime = row["train_runtime_s"]["mean"]
         speedup = f"{reference / runtime:.2f}x" if reference and runtime else "-"
         lines.append(f"| {variant} | `{row['flags']}` | {row['sample']} | {' '.join(map(str, row['seeds']))} | "
-                     f"{em(row['last'])} | "
-                     f"{em(row['chosen'])} | {'-' if runtime is None else f'{runtime:.1f}'} | {speedup} |")
+                     f"{spread(row['warm_start'])} | {spread(row['last'])} | {spread(row['chosen'])} | "
+                     f"{spread(row['gain_last'], '+')} | {spread(row['gain_chosen'], '+')} | "
+                     f"{'-' if runtime is None else f'{runtime:.1f}'} | {speedup} |")
     if baseline is not None and baseline not in table:  # e.g. the baseline's batch of seeds has not run yet
         lines.append(f"\nno speedup: the baseline variant {baseline!r} has no finished run here ({', '.join(table)})")
     return "\n".join(lines)

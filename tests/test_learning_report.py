@@ -24,8 +24,10 @@ def test_the_report_gives_each_variants_train_runtime_and_report_em_and_the_spee
     assert table["sync"]["train_runtime_s"]["mean"] == 160.0 and table["async"]["train_runtime_s"]["mean"] == 80.0
     assert table["async"]["last"]["mean"] == 0.43
     printed = capsys.readouterr().out
-    assert "| async | `` | report | 0 1 2 | 0.430 (0.000, 0.430) | 0.430 (0.000, 0.430) | 80.0 | 2.00x |" in printed
-    assert "| sync | `` | report | 0 1 2 | 0.440 (0.000, 0.440) | 0.440 (0.000, 0.440) | 160.0 | 1.00x |" in printed
+    assert ("| async | `` | report | 0 1 2 | 0.400 (0.000, 0.400) | 0.430 (0.000, 0.430) | 0.430 (0.000, 0.430) | "
+            "+0.030 (0.000, +0.030) | +0.030 (0.000, +0.030) | 80.0 | 2.00x |") in printed
+    assert ("| sync | `` | report | 0 1 2 | 0.400 (0.000, 0.400) | 0.440 (0.000, 0.440) | 0.440 (0.000, 0.440) | "
+            "+0.040 (0.000, +0.040) | +0.040 (0.000, +0.040) | 160.0 | 1.00x |") in printed
     assert json.loads((tmp_path / "learning.json").read_text())["variants"]["async"]["train_runtime_s"]["n"] == 3
 
 
@@ -33,7 +35,8 @@ def test_a_baseline_that_has_not_run_yet_leaves_the_speedup_out(tmp_path, capsys
     finished_run(tmp_path, "async", 0, 80.0, 0.43)
     report(tmp_path, baseline="sync")
     printed = capsys.readouterr().out
-    assert "| async | `` | report | 0 | 0.430 (-, 0.430) | 0.430 (-, 0.430) | 80.0 | - |" in printed
+    assert ("| async | `` | report | 0 | 0.400 (-, 0.400) | 0.430 (-, 0.430) | 0.430 (-, 0.430) | +0.030 (-, +0.030) | "
+            "+0.030 (-, +0.030) | 80.0 | - |") in printed
     assert "no speedup: the baseline variant 'sync' has no finished run here (async)" in printed
 
 
@@ -42,8 +45,10 @@ def test_learning_variants_compared_without_a_baseline_get_no_speedup(tmp_path, 
     finished_run(tmp_path, "steps60", 0, 300.0, 0.45)
     report(tmp_path)
     printed = capsys.readouterr().out
-    assert "| base | `` | report | 0 | 0.440 (-, 0.440) | 0.440 (-, 0.440) | 160.0 | - |" in printed
-    assert "| steps60 | `` | report | 0 | 0.450 (-, 0.450) | 0.450 (-, 0.450) | 300.0 | - |" in printed
+    assert ("| base | `` | report | 0 | 0.400 (-, 0.400) | 0.440 (-, 0.440) | 0.440 (-, 0.440) | +0.040 (-, +0.040) | "
+            "+0.040 (-, +0.040) | 160.0 | - |") in printed
+    assert ("| steps60 | `` | report | 0 | 0.400 (-, 0.400) | 0.450 (-, 0.450) | 0.450 (-, 0.450) | "
+            "+0.050 (-, +0.050) | +0.050 (-, +0.050) | 300.0 | - |") in printed
     assert "no speedup" not in printed
 
 
