@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from transformers import HfArgumentParser
 
+from benchmarks.retriever_gpu_scale import fill_random_unit_rows
 from retriever_server import server
 from retriever_server.index import Corpus, TorchFlatIndex
 from retriever_server.retriever import Retriever
@@ -74,13 +75,9 @@ def pad_retriever(retriever: Retriever, config: PadConfig) -> Retriever:
                          f"real index ({len(real)} x {real.shape[1]}): padding only adds rows and width")
     device = torch.device(config.pad_device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    vectors = torch.zeros(config.pad_to_rows, config.pad_to_dim, dtype=dtype, device=device)
-    vectors[:len(real), :real.shape[1]] = real.to(device, dtype)
-    generator = torch.Generator(device).manual_seed(config.pad_seed)
-    for start in range(len(real), config.pad_to_rows, 1 << 20):  # 1M rows at a time: 3 GB of fp32 at 768
-        block = torch.randn(min(1 << 20, config.pad_to_rows - start), config.pad_to_dim, device=device,
-                            generator=generator)
-        vectors[start:start + len(block)] = torch.nn.functional.normalize(block, dim=1).to(dtype)
+    vectors = torch.empty(config.pad_to_rows, config.pad_to_dim, dtype=dtype, device=device)
+    vectors[:len(real)] = torch.nn.functional.pad(real, (0, config.pad_to_dim - real.shape[1])).to(device, dtype)
+    fill_random_unit_rows(vectors[len(real):], torch.Generator(device).manual_seed(config.pad_seed))
     index = TorchFlatIndex([vectors])
     return Retriever(PaddedEncoder(retriever.encoder, config.pad_to_dim), index,
                      PaddedCorpus(retriever.corpus, config.pad_to_rows))

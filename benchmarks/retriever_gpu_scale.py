@@ -47,16 +47,19 @@ def copy_bandwidth_gbs(device, gib: int = 8) -> float:
     return 2 * 5 * src.numel() / (time.perf_counter() - start) / 1e9
 
 
+def fill_random_unit_rows(out, generator=None):
+    """Fill ``out`` (rows x dim, in place) with random unit vectors, 1M rows at a time: fp32 randn of 21M x 768
+    would not fit beside them. Returns ``out``."""
+    for start in range(0, len(out), 1 << 20):
+        block = torch.randn(min(1 << 20, len(out) - start), out.shape[1], device=out.device, generator=generator)
+        out[start:start + len(block)] = torch.nn.functional.normalize(block, dim=1).to(out.dtype)
+    return out
+
+
 def random_shards(num_vectors: int, dim: int, devices: list) -> list:
     bounds = np.linspace(0, num_vectors, len(devices) + 1).astype(int)
-    shards = []
-    for a, b, device in zip(bounds[:-1], bounds[1:], devices, strict=True):
-        shard = torch.empty(b - a, dim, dtype=torch.float16, device=device)
-        for start in range(0, b - a, 1 << 20):  # generate in chunks: fp32 randn of 21M x 768 would not fit
-            block = torch.randn(min(1 << 20, b - a - start), dim, device=device)
-            shard[start:start + len(block)] = torch.nn.functional.normalize(block, dim=1).half()
-        shards.append(shard)
-    return shards
+    return [fill_random_unit_rows(torch.empty(b - a, dim, dtype=torch.float16, device=device))
+            for a, b, device in zip(bounds[:-1], bounds[1:], devices, strict=True)]
 
 
 def chunk_topk_search(shards: list, queries: np.ndarray, k: int, chunk_rows: int = 1 << 20):
