@@ -113,11 +113,24 @@ def _record(meta: dict, finished: bool, evals: list[dict], steps: int, best_step
         "em": {"start": start.get(f"{prefix}_em"), "last": last.get(f"{prefix}_em"),
                "chosen": chosen.get(f"{prefix}_em")},
         "last_step": last["step"],
+        "em_by_step": {e["step"]: e.get(f"{prefix}_em") for e in evals},
         "eval_em": {"start": start.get("eval_em"), "last": last.get("eval_em"), "chosen": chosen.get("eval_em")},
         "learned": {key: chosen.get(f"{prefix}_{key}") for key in learned},
         "learned_start": {key: start.get(f"{prefix}_{key}") for key in learned},
         "train_searches_by_step": train_searches,
     }
+
+
+def _common_step(evaluated: list[dict]) -> dict:
+    """GRPO's gain at the newest step every seed was evaluated at, cut-short runs included: seeds compared at one step
+    when a machine was taken back before some finished (or the guard stopped one early)."""
+    steps = set.intersection(*(set(r["em_by_step"]) for r in evaluated)) if evaluated else set()
+    if not steps:
+        return {"common_step": None, "common_seeds": [], "gain_common": _spread([]), "em_common": _spread([])}
+    step = max(steps)
+    return {"common_step": step, "common_seeds": [r["seed"] for r in evaluated],
+            "gain_common": _spread([r["em_by_step"][step] - r["em"]["start"] for r in evaluated]),
+            "em_common": _spread([r["em_by_step"][step] for r in evaluated])}
 
 
 def report(out: Path, baseline: str | None = None) -> dict:
@@ -137,6 +150,7 @@ def report(out: Path, baseline: str | None = None) -> dict:
             "chosen": _spread([r["em"]["chosen"] for r in done]),
             "gain_last": _spread(gains_last), "gain_chosen": _spread(gains_chosen),
             "train_runtime_s": _spread([r["train_runtime_s"] for r in done if r["train_runtime_s"] is not None]),
+            **_common_step([r for r in records if r["variant"] == variant and "em" in r]),
         }
     (out / "learning.json").write_text(json.dumps({"variants": table, "runs": records}, indent=2))
     def fmt(value, digits=3):
@@ -164,6 +178,7 @@ def report(out: Path, baseline: str | None = None) -> dict:
 def variant_table(table: dict, baseline: str | None = None) -> str:
     """One Markdown row per variant, each figure a mean (sd, min) over seeds on its sample: EM of the warm start, the
     last step and the chosen checkpoint, and GRPO's gain over the warm start at both (what issue 22's goal reads);
+    the gain at the newest step all seeds reached, unfinished ones included (its step and seeds beside it);
     mean ``train_runtime`` and, where a ``baseline`` variant is named, the speedup over it ("-" otherwise). Rows as
     printed: tests/test_learning_report.py."""
     reference = table[baseline]["train_runtime_s"]["mean"] if baseline in table else None
@@ -175,13 +190,16 @@ def variant_table(table: dict, baseline: str | None = None) -> str:
         return f"{value['mean']:{sign}.3f} ({sd}, {value['min']:{sign}.3f})"
 
     lines = ["| variant | flags | sample | seeds | warm start | EM last step | EM chosen | gain, last step | "
-             "gain, chosen | train_runtime s | speedup |", "| --- " * 11 + "|"]
+             "gain, chosen | gain, step all seeds reached | train_runtime s | speedup |", "| --- " * 12 + "|"]
     for variant, row in table.items():
         runtime = row["train_runtime_s"]["mean"]
         speedup = f"{reference / runtime:.2f}x" if reference and runtime else "-"
+        common = "-" if row["common_step"] is None else (
+            f"{spread(row['gain_common'], '+')} to EM {row['em_common']['mean']:.3f} at step {row['common_step']}, "
+            f"seeds {' '.join(map(str, row['common_seeds']))}")
         lines.append(f"| {variant} | `{row['flags']}` | {row['sample']} | {' '.join(map(str, row['seeds']))} | "
                      f"{spread(row['warm_start'])} | {spread(row['last'])} | {spread(row['chosen'])} | "
-                     f"{spread(row['gain_last'], '+')} | {spread(row['gain_chosen'], '+')} | "
+                     f"{spread(row['gain_last'], '+')} | {spread(row['gain_chosen'], '+')} | {common} | "
                      f"{'-' if runtime is None else f'{runtime:.1f}'} | {speedup} |")
     if baseline is not None and baseline not in table:  # e.g. the baseline's batch of seeds has not run yet
         lines.append(f"\nno speedup: the baseline variant {baseline!r} has no finished run here ({', '.join(table)})")

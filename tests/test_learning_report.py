@@ -25,9 +25,13 @@ def test_the_report_gives_each_variants_train_runtime_and_report_em_and_the_spee
     assert table["async"]["last"]["mean"] == 0.43
     printed = capsys.readouterr().out
     assert ("| async | `` | report | 0 1 2 | 0.400 (0.000, 0.400) | 0.430 (0.000, 0.430) | 0.430 (0.000, 0.430) | "
-            "+0.030 (0.000, +0.030) | +0.030 (0.000, +0.030) | 80.0 | 2.00x |") in printed
+            "+0.030 (0.000, +0.030) | +0.030 (0.000, +0.030) | "
+            "+0.030 (0.000, +0.030) to EM 0.430 at step 30, seeds 0 1 2 | "
+            "80.0 | 2.00x |") in printed
     assert ("| sync | `` | report | 0 1 2 | 0.400 (0.000, 0.400) | 0.440 (0.000, 0.440) | 0.440 (0.000, 0.440) | "
-            "+0.040 (0.000, +0.040) | +0.040 (0.000, +0.040) | 160.0 | 1.00x |") in printed
+            "+0.040 (0.000, +0.040) | +0.040 (0.000, +0.040) | "
+            "+0.040 (0.000, +0.040) to EM 0.440 at step 30, seeds 0 1 2 | "
+            "160.0 | 1.00x |") in printed
     assert json.loads((tmp_path / "learning.json").read_text())["variants"]["async"]["train_runtime_s"]["n"] == 3
 
 
@@ -36,7 +40,7 @@ def test_a_baseline_that_has_not_run_yet_leaves_the_speedup_out(tmp_path, capsys
     report(tmp_path, baseline="sync")
     printed = capsys.readouterr().out
     assert ("| async | `` | report | 0 | 0.400 (-, 0.400) | 0.430 (-, 0.430) | 0.430 (-, 0.430) | +0.030 (-, +0.030) | "
-            "+0.030 (-, +0.030) | 80.0 | - |") in printed
+            "+0.030 (-, +0.030) | +0.030 (-, +0.030) to EM 0.430 at step 30, seeds 0 | 80.0 | - |") in printed
     assert "no speedup: the baseline variant 'sync' has no finished run here (async)" in printed
 
 
@@ -46,9 +50,10 @@ def test_learning_variants_compared_without_a_baseline_get_no_speedup(tmp_path, 
     report(tmp_path)
     printed = capsys.readouterr().out
     assert ("| base | `` | report | 0 | 0.400 (-, 0.400) | 0.440 (-, 0.440) | 0.440 (-, 0.440) | +0.040 (-, +0.040) | "
-            "+0.040 (-, +0.040) | 160.0 | - |") in printed
+            "+0.040 (-, +0.040) | +0.040 (-, +0.040) to EM 0.440 at step 30, seeds 0 | 160.0 | - |") in printed
     assert ("| steps60 | `` | report | 0 | 0.400 (-, 0.400) | 0.450 (-, 0.450) | 0.450 (-, 0.450) | "
-            "+0.050 (-, +0.050) | +0.050 (-, +0.050) | 300.0 | - |") in printed
+            "+0.050 (-, +0.050) | +0.050 (-, +0.050) | "
+            "+0.050 (-, +0.050) to EM 0.450 at step 30, seeds 0 | 300.0 | - |") in printed
     assert "no speedup" not in printed
 
 
@@ -83,3 +88,24 @@ def test_a_run_cut_short_is_read_to_its_newest_checkpoint_and_kept_out_of_the_me
     assert ("| ans0 | `` | 1 | report (unfinished: evaluated to step 20) | 0.180 | 0.310 | 0.280 (10) | +0.130 |"
             in printed)
     assert "| ans0 | `` | 2 | unfinished |" in printed
+
+
+def test_seeds_cut_short_are_compared_with_the_rest_at_the_newest_step_all_reached(tmp_path, capsys):
+    for seed, ems in enumerate([(0.34, 0.39, 0.41), (0.32, 0.38, None), (0.36, 0.40, None)]):
+        folder = tmp_path / f"kl_s{seed}"
+        folder.mkdir()
+        (folder / "command.json").write_text(json.dumps({"variant": "kl", "flags": "", "seed": seed, "command": []}))
+        evals = [{"step": step, "eval_em": em, "report_em": em}
+                 for step, em in zip((0, 50, 60), ems, strict=True) if em]
+        if seed == 0:
+            (folder / "summary.json").write_text(json.dumps({"steps": 60, "best_step": 60, "evals": evals}))
+        else:  # the machine was taken back during the step-60 evaluation
+            (folder / "checkpoint-50").mkdir()
+            (folder / "checkpoint-50" / "trainer_state.json").write_text(json.dumps(
+                {"global_step": 50, "best_global_step": 50, "log_history": evals}))
+    table = report(tmp_path)
+    assert table["kl"]["seeds"] == [0] and table["kl"]["unfinished"] == ["kl_s1", "kl_s2"]
+    assert (table["kl"]["common_step"], table["kl"]["common_seeds"]) == (50, [0, 1, 2])
+    assert table["kl"]["gain_common"] == {"mean": 0.05, "sd": 0.01, "min": 0.04, "n": 3}
+    assert table["kl"]["em_common"]["mean"] == 0.39
+    assert "| +0.050 (0.010, +0.040) to EM 0.390 at step 50, seeds 0 1 2 | - | - |" in capsys.readouterr().out
