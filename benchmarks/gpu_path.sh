@@ -19,10 +19,10 @@
 #                                              # with compiled layers (policy_update_0_5b.jsonl)
 #   bash benchmarks/gpu_path.sh trainer_compile  # one GPU, ~4 min: 12 GRPO steps eager and with compile_layers
 #   bash benchmarks/gpu_path.sh rollouts_wiki   # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
-#   bash benchmarks/gpu_path.sh async_e2e <sync|async|pause|sync_ipc|async_ipc> [gpu]  # offline_gpu, 3 seeds side
-#                                              # by side: lock-step, async rollouts, async pausing in-flight rollouts
-#                                              # for a push, or either pushing through CUDA IPC: one table in
-#                                              # $RUNS/async_e2e (run each mode)
+#   bash benchmarks/gpu_path.sh async_e2e "<modes>" [gpu]  # offline_gpu, 3 seeds of each mode side by side; modes
+#                                              # of sync, async, async pausing in-flight rollouts for a push (pause),
+#                                              # sync_ipc, async_ipc (the push through CUDA IPC): one table in
+#                                              # $RUNS/async_e2e, the speedup over the first mode
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source "${SEARCHR1_ENV_FILE:-$HOME/searchr1_env.sh}"
@@ -66,18 +66,22 @@ case "${1:?step}" in
       --generator_gpu "$gpu" --trainer_gpu "$gpu" --retriever_gpu "$gpu" \
       --retriever_port $((8100 + 10 * seed)) --generator_port $((8101 + 10 * seed)) $EAGER \
       --seed "$seed" --data_seed "$seed" "$@" ;;
-  async_e2e)  # one batch of seeds per mode (equal GPU sharing within a batch); the report sets both side by side
-    mode=${2:?sync or async} gpu=${3:-0}
-    case "$mode" in
-      sync) variant="sync=" ;;
-      async) variant="async=--async_rollouts true --max_staleness 1" ;;
-      pause) variant="pause=--async_rollouts true --max_staleness 1 --in_flight_rollouts pause" ;;
-      sync_ipc) variant="sync_ipc=--weight_sync ipc" ;;  # the push through CUDA IPC instead of tmpfs
-      async_ipc) variant="async_ipc=--async_rollouts true --max_staleness 1 --weight_sync ipc" ;;
-      *) echo "async_e2e: mode $mode; expected sync, async, pause, sync_ipc or async_ipc" >&2; exit 2 ;;
-    esac
-    python3 -m benchmarks.learning run --out "$RUNS/async_e2e" --seeds 0 1 2 --gpu "$gpu" --baseline sync \
-      --variant "$variant" ${EAGER:+--eager} ;;
+  async_e2e)  # the modes given ("sync_ipc async_ipc") side by side, 3 seeds each: one table in $RUNS/async_e2e
+    modes=${2:?modes, e.g. "sync_ipc async_ipc"} gpu=${3:-0} variants=()
+    S="--save_only_model true --save_total_limit 1"  # six runs' full checkpoints would fill the disk
+    for mode in $modes; do
+      case "$mode" in
+        sync) variants+=(--variant "sync=$S") ;;
+        async) variants+=(--variant "async=$S --async_rollouts true --max_staleness 1") ;;
+        pause) variants+=(--variant "pause=$S --async_rollouts true --max_staleness 1 --in_flight_rollouts pause") ;;
+        sync_ipc) variants+=(--variant "sync_ipc=$S --weight_sync ipc") ;;  # the push through CUDA IPC, not tmpfs
+        async_ipc) variants+=(--variant "async_ipc=$S --async_rollouts true --max_staleness 1 --weight_sync ipc") ;;
+        *) echo "async_e2e: mode $mode; expected sync, async, pause, sync_ipc or async_ipc" >&2; exit 2 ;;
+      esac
+    done
+    baseline=${modes%% *}
+    python3 -m benchmarks.learning run --out "$RUNS/async_e2e" --seeds 0 1 2 --gpu "$gpu" --baseline "$baseline" \
+      "${variants[@]}" ${EAGER:+--eager} ;;
   eval_table)  # the retriever on that GPU's host, each checkpoint in-process on that GPU
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import math
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -301,3 +302,17 @@ def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vll
     restored = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
     restored.run()
     assert restored.chunks == old.chunks  # and the restore gave the server its own weights back
+
+
+@pytest.mark.slow  # a short training on CPU: about 20 seconds
+def test_an_async_run_with_kl_to_the_reference_logs_a_finite_kl_each_step(tiny_model_dir, questions_file, tmp_path):
+    # the offline_gpu recipe's beta 0.04 with async rollouts: the reference forward runs on the trainer's step
+    args = small_config(tmp_path, questions_file, "http://127.0.0.1:9/retrieve", max_steps=2, generator="transformers",
+                        max_tokens_per_turn=8, max_turns=1, async_rollouts=True, max_staleness=1, learning_rate=1e-3,
+                        beta=0.04)
+    task = build_task(args)
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, task=task)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "async/staleness" in entry]
+    assert [entry["async/staleness"] for entry in logged] == [0, 1]
+    assert all(math.isfinite(entry["kl"]) and entry["kl"] >= 0 for entry in logged)
