@@ -35,7 +35,9 @@ def parse_recipe(name: str, *overrides: str):
 def test_every_recipe_loads_validates_and_builds_its_grpo_config(recipe, offline_assets):
     args, model_args = parse_recipe(recipe)
     validate_plan(args, model_args, check_machine=False)
-    assert (args.loss_type, args.epsilon, args.epsilon_high, args.beta) == ("dapo", 0.2, 0.28, 0.0)
+    assert (args.loss_type, args.epsilon, args.epsilon_high) == ("dapo", 0.2, 0.28)
+    # the seed's "no KL" assumed no supervised stage; a recipe with a warm start keeps GRPO near it (issue 22)
+    assert args.beta == (0.04 if args.warm_start_traces else 0.0)
     assert args.generation_batch_size % args.num_generations == 0
     assert args.max_completion_length == args.max_rollout_tokens
     header = (CONFIGS / f"{recipe}.yaml").read_text().splitlines()[0]
