@@ -17,7 +17,7 @@
 #   bash benchmarks/gpu_path.sh update_0_5b    # one GPU, ~4 min: the offline_gpu recipe's update (64 rollouts, 0.5B)
 #                                              # in 8 x 8 micro-batches as committed, fewer larger ones, packed, and
 #                                              # with compiled layers (policy_update_0_5b.jsonl)
-#   bash benchmarks/gpu_path.sh trainer_compile  # one GPU, ~4 min: 12 GRPO steps eager and with compile_layers
+#   bash benchmarks/gpu_path.sh trainer_compile  # one GPU, ~5 min: 12 GRPO steps eager, compile_layers, padding_free, both
 #   bash benchmarks/gpu_path.sh rollouts_wiki   # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh async_e2e "<modes>" [gpu]  # offline_gpu, 3 seeds of each mode side by side; modes
 #                                              # of sync, async, async pausing in-flight rollouts for a push (pause),
@@ -93,10 +93,12 @@ case "${1:?step}" in
       python3 -m benchmarks.policy_update --model "$MODEL" --seq 1024 --ragged $lever \
         --out "$RUNS/policy_update_0_5b.jsonl"
     done ;;
-  trainer_compile)  # the trainer's own step, eager against compiled decoder layers: 12 steps, one seed side by side
+  trainer_compile)  # the trainer's own step: eager, compiled decoder layers, packed rows, both; 12 steps side by side
     F="--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200"
+    F="$F --weight_sync ipc --save_only_model true --save_total_limit 1"
     python3 -m benchmarks.learning run --out "$RUNS/trainer_compile" --seeds 0 --eager --baseline eager \
-      --variant "eager=$F --weight_sync ipc" --variant "compiled=$F --weight_sync ipc --compile_layers true" ;;
+      --variant "eager=$F" --variant "compiled=$F --compile_layers true" --variant "packed=$F --padding_free true" \
+      --variant "compiled_packed=$F --compile_layers true --padding_free true" ;;
   rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768
     python3 -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \
       --pad_index_rows 21000000 --pad_index_dim 768 --vllm_gpu_memory_utilization 0.5 \
