@@ -162,11 +162,14 @@ def test_fp32_master_weights_compute_the_fp32_loss_up_to_bf16_rounding(tiny_mode
     assert cosine > 0.99
 
 
+@pytest.mark.parametrize("padding_free", [False, True])  # the two levers together are a recipe setting too
 def test_compile_layers_compiles_each_decoder_layer_in_place_and_gives_the_eager_loss_and_gradients(
-        tiny_model_dir, questions_file, tmp_path):
-    eager = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file))
+        tiny_model_dir, questions_file, tmp_path, padding_free):
+    eager = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file,
+                                                                           padding_free=padding_free))
     compiled = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file,
-                                                                              compile_layers=True))
+                                                                              compile_layers=True,
+                                                                              padding_free=padding_free))
     layers = compiled.model.model.layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
     assert all(layer._compiled_call_impl is None for layer in eager.model.model.layers)
