@@ -106,6 +106,7 @@ class SearchR1Trainer(GRPOTrainer):
         self._batch_samples: list[SearchR1Sample] = []  # of the rows being rolled out, in order
         self._loop: asyncio.AbstractEventLoop | None = None
         self._synced_step = -1
+        self._loss_positions: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by _compute_loss
         # TRL requires a dataset object; this one describes the stream, the real batches come from QuestionBatches.
         train_dataset = datasets.IterableDataset.from_generator(lambda: iter(()))
         eval_dataset = datasets.Dataset.from_list([training_row(s, self.envs) for s in self.eval_samples]) or None
@@ -147,10 +148,25 @@ class SearchR1Trainer(GRPOTrainer):
             with_fp32_master_weights(optimizer, deepspeed=self.is_deepspeed_enabled)
         return optimizer
 
+    def _compute_loss(self, model, inputs):
+        # Extends GRPOTrainer._compute_loss (TRL 1.16), which scores every completion position and masks tool tokens
+        # afterwards: with padding_free the LM head scores only the loss's positions (a search rollout's passages are
+        # most of its completion). A skipped position takes its old log-prob where there is one, so its ratio is 1
+        # (as TRL's on-policy case) and none overflows before the mask.
+        if not self.args.padding_free:
+            return super()._compute_loss(model, inputs)
+        self._loss_positions = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool(), \
+            inputs.get("old_per_token_logps")
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._loss_positions = None
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         # Extends GRPOTrainer._get_per_token_logps_and_entropies (TRL 1.16): with padding_free, each chunk of rows is
-        # packed (searchr1_trl.update.packed_forward); the fused LM head and what it returns are TRL's.
+        # packed (searchr1_trl.update.packed_forward); the fused LM head and what it returns are TRL's. Called from
+        # _compute_loss it scores the loss's positions only (above).
         if not self.args.padding_free:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
@@ -159,11 +175,19 @@ class SearchR1Trainer(GRPOTrainer):
         if given:
             raise ValueError(f"padding_free=True packs text rollouts only; this batch has {', '.join(given)}")
         batch_size = batch_size or input_ids.size(0)
+        scored, old = self._loss_positions or (None, None)
+        if scored is not None and scored.shape != (input_ids.size(0), logits_to_keep):
+            raise ValueError(f"loss positions {tuple(scored.shape)} do not match the batch's "
+                             f"{(input_ids.size(0), logits_to_keep)} completion positions")
         logps, entropies, aux_losses = [], [], []
         for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
             outputs = packed_forward(
-                model, input_ids[start:start + batch_size], attention_mask[start:start + batch_size], logits_to_keep,
-                self.accelerator.autocast, **({"output_router_logits": True} if compute_aux_loss else {}))
+                model, input_ids[rows], attention_mask[rows], logits_to_keep, self.accelerator.autocast,
+                scored_columns=None if scored is None else scored[rows],
+                **({"output_router_logits": True} if compute_aux_loss else {}))
+            if scored is not None and old is not None:
+                outputs.log_probs = torch.where(scored[rows], outputs.log_probs, old[rows].to(outputs.log_probs))
             logps.append(outputs.log_probs)
             entropies.append(outputs.entropy)
             aux_losses.append(outputs.aux_loss)

@@ -123,13 +123,14 @@ def pack_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                   autocast, **model_kwargs):
+                   autocast, scored_columns: torch.Tensor | None = None, **model_kwargs):
     """TRL's fused-LM-head forward (log-probs and entropies of the last ``logits_to_keep`` columns) run on the packed
-    rows of ``input_ids``; returns the model's output with ``log_probs``/``entropy`` laid out as the padded batch's."""
+    rows of ``input_ids``; returns the model's output with ``log_probs``/``entropy`` laid out as the padded batch's.
+    ``scored_columns`` (B, logits_to_keep), where given, narrows the LM head to those positions (0 elsewhere)."""
     source, target, position_ids, rows = pack_rows(attention_mask)
     batch, length = input_ids.shape
     scored = torch.zeros_like(attention_mask, dtype=torch.bool)
-    scored[:, -logits_to_keep:] = True
+    scored[:, -logits_to_keep:] = True if scored_columns is None else scored_columns.bool()
     scored &= attention_mask.bool()
     packed = input_ids.new_zeros(rows * length)
     packed[target] = input_ids.reshape(-1)[source]

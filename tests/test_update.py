@@ -76,7 +76,12 @@ def test_padding_free_gives_the_padded_loss_and_gradients_and_keeps_tool_tokens_
         torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), 12)
 
     trainer.args.padding_free = True
+    scored = []  # the positions the fused LM head is asked to score: the loss's only, not the tool tokens
+    hook = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: scored.append(int((kwargs["labels"] != -100).sum())), with_kwargs=True)
     packed_loss, packed_grads = loss_and_grads(trainer, batch)
+    hook.remove()
+    assert scored == [int((batch["completion_mask"] * batch["tool_mask"]).sum())]
     packed_logps, _, _ = trainer._get_per_token_logps_and_entropies(
         trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
         torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), 12)
