@@ -39,6 +39,8 @@ The recipe (:class:`~searchr1_trl.recipe.SearchR1Config`) and the parts it build
 The private surface of TRL 1.16.0 and transformers 5.24.0 this module relies on (``tests/test_trl_surface.py``
 fails, naming the entry, when the installed versions are not the pinned ones or an entry is gone):
 
+- ``trl.GRPOTrainer._compute_loss``: overridden, with ``padding_free`` hands the loss's token positions and old
+  log-probs to the forward below, so the LM head skips tool tokens.
 - ``trl.GRPOTrainer._get_per_token_logps_and_entropies``: overridden, packs the rows for ``padding_free``.
 - ``trl.GRPOTrainer._generate``: overridden, pushes the weights first, so TRL's own NCCL push finds them loaded.
 - ``trl.GRPOTrainer._generate_and_score_completions``: overridden, reads each row's sample for ``rollout_func``,

@@ -60,8 +60,8 @@ def test_the_list_names_every_private_method_the_trainer_overrides():
     overridden = {name for name, value in vars(trainer.SearchR1Trainer).items()
                   if name.startswith("_") and not name.startswith("__") and callable(value)
                   and any(hasattr(base, name) for base in trainer.SearchR1Trainer.__mro__[1:])}
-    assert overridden == {"_get_per_token_logps_and_entropies", "_generate", "_generate_and_score_completions",
-                          "_save_checkpoint"}
+    assert overridden == {"_compute_loss", "_get_per_token_logps_and_entropies", "_generate",
+                          "_generate_and_score_completions", "_save_checkpoint"}
     assert overridden - {name.rsplit(".", 1)[1] for name in surface()} == set()
 
 
