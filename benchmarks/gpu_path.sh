@@ -33,6 +33,7 @@ MODEL=$CACHE/models/Qwen2.5-Coder-0.5B-Instruct
 mkdir -p "$RUNS"
 
 EAGER=${EAGER:+--generator_enforce_eager}  # EAGER=1: no CUDA graphs in the jobs' vLLM servers
+LIGHT_SAVES="--save_only_model true --save_total_limit 1"  # runs side by side: full checkpoints would fill the disk
 
 case "${1:?step}" in
   sync_checks)
@@ -68,16 +69,16 @@ case "${1:?step}" in
       --seed "$seed" --data_seed "$seed" "$@" ;;
   async_e2e)  # the modes given ("sync_ipc async_ipc") side by side, 3 seeds each: one table in $RUNS/async_e2e
     modes=${2:?modes, e.g. "sync_ipc async_ipc"} gpu=${3:-0} variants=()
-    S="--save_only_model true --save_total_limit 1"  # six runs' full checkpoints would fill the disk
     for mode in $modes; do
       case "$mode" in
-        sync) variants+=(--variant "sync=$S") ;;
-        async) variants+=(--variant "async=$S --async_rollouts true --max_staleness 1") ;;
-        pause) variants+=(--variant "pause=$S --async_rollouts true --max_staleness 1 --in_flight_rollouts pause") ;;
-        sync_ipc) variants+=(--variant "sync_ipc=$S --weight_sync ipc") ;;  # the push through CUDA IPC, not tmpfs
-        async_ipc) variants+=(--variant "async_ipc=$S --async_rollouts true --max_staleness 1 --weight_sync ipc") ;;
+        sync) flags="" ;;
+        async) flags="--async_rollouts true --max_staleness 1" ;;
+        pause) flags="--async_rollouts true --max_staleness 1 --in_flight_rollouts pause" ;;
+        sync_ipc) flags="--weight_sync ipc" ;;  # the push through CUDA IPC instead of tmpfs
+        async_ipc) flags="--async_rollouts true --max_staleness 1 --weight_sync ipc" ;;
         *) echo "async_e2e: mode $mode; expected sync, async, pause, sync_ipc or async_ipc" >&2; exit 2 ;;
       esac
+      variants+=(--variant "$mode=$LIGHT_SAVES $flags")
     done
     baseline=${modes%% *}
     python3 -m benchmarks.learning run --out "$RUNS/async_e2e" --seeds 0 1 2 --gpu "$gpu" --baseline "$baseline" \
@@ -95,7 +96,7 @@ case "${1:?step}" in
     done ;;
   trainer_compile)  # the trainer's own step: eager, compiled decoder layers, packed rows, both; 12 steps side by side
     F="--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200"
-    F="$F --weight_sync ipc --save_only_model true --save_total_limit 1"
+    F="$F --weight_sync ipc $LIGHT_SAVES"
     python3 -m benchmarks.learning run --out "$RUNS/trainer_compile" --seeds 0 --eager --baseline eager \
       --variant "eager=$F" --variant "compiled=$F --compile_layers true" --variant "packed=$F --padding_free true" \
       --variant "compiled_packed=$F --compile_layers true --padding_free true" ;;

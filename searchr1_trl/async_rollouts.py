@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from searchr1_trl.update import loss_mask
+
 LINEAR_IN_ADVANTAGE_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
 
 
@@ -232,7 +234,7 @@ def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor]
         return output
     proximal = output.get("old_per_token_logps")
     proximal = proximal_logps() if proximal is None else proximal
-    mask = output["completion_mask"] * output.get("tool_mask", 1)
+    mask = loss_mask(output)
     weights = importance_weights(proximal, output["sampling_per_token_logps"], mask,
                                  args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                                  args.vllm_importance_sampling_clip_max)

@@ -81,7 +81,7 @@ from searchr1_trl.callbacks import CollapseGuard, NonFiniteGradientGuard
 from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task, part_config
 from searchr1_trl.search_r1.data import QuestionBatches, SearchR1Sample, training_row
-from searchr1_trl.update import compile_decoder_layers, packed_forward, with_fp32_master_weights
+from searchr1_trl.update import compile_decoder_layers, loss_mask, packed_forward, with_fp32_master_weights
 from searchr1_trl.weight_sync import PausedPush, weight_push
 
 logger = logging.getLogger(__name__)
@@ -157,8 +157,7 @@ class SearchR1Trainer(GRPOTrainer):
         # (as TRL's on-policy case) and none overflows before the mask.
         if not self.args.padding_free:
             return super()._compute_loss(model, inputs)
-        self._loss_positions = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool(), \
-            inputs.get("old_per_token_logps")
+        self._loss_positions = loss_mask(inputs).bool(), inputs.get("old_per_token_logps")
         try:
             return super()._compute_loss(model, inputs)
         finally:
@@ -223,8 +222,7 @@ class SearchR1Trainer(GRPOTrainer):
         keep = (advantages.view(-1, self.num_generations).abs() > 0.01).any(dim=1)
         self._metrics["train"]["train/dropped_groups"].append(1.0 - keep.float().mean().item())
         output["completion_mask"] = output["completion_mask"] * keep.repeat_interleave(self.num_generations)[:, None]
-        loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
-        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        output["num_items_in_batch"] = self.accelerator.gather(loss_mask(output).sum()).sum()
         return output
 
     def _weight_stale_rollouts(self, output: dict) -> dict:

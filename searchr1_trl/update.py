@@ -81,6 +81,12 @@ def with_fp32_master_weights(optimizer: torch.optim.Optimizer, deepspeed: bool =
     return optimizer
 
 
+def loss_mask(batch: dict) -> torch.Tensor:
+    """The tokens GRPO's loss reads in a batch as ``GRPOTrainer._generate_and_score_completions`` returns it: completion
+    tokens less tool responses (TRL 1.16's ``mask`` in ``_compute_loss``)."""
+    return batch["completion_mask"] * batch.get("tool_mask", 1)
+
+
 def pack_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Where each real token of a padded batch goes in a packed one of the same row length.
 

@@ -28,6 +28,7 @@ LAYERS = [
 SAME_LAYER: set[tuple[str, str]] = {
     ("vllm_server", "processes"),  # the vLLM launcher runs it under a reaper
     ("weight_sync", "vllm_server"),  # a reload push asks the server to load the folder
+    ("async_rollouts", "update"),  # the importance weights cover the loss's tokens
 }
 
 
