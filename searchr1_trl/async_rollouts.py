@@ -28,6 +28,13 @@ Off by default (``async_rollouts``). What this module decides:
   every loss TRL builds as ``-min(r A, clip(r) A)`` or a multiple of ``A`` (grpo, bnpo, dr_grpo, dapo, luspo, cispo,
   sapo) a weight ``w >= 0`` on ``A`` is the same as on the per-token loss, which is where TRL puts it (vespo is not
   linear in ``A`` and is refused).
+- **The KL term is weighted too.** TRL adds ``beta * KL`` to the per-token loss after its importance weight, and the
+  k3 estimate ``exp(ref - logp) - (ref - logp) - 1`` assumes tokens sampled from the current policy. A rollout
+  sampled a step earlier can hold a token the last update made far less likely while the reference still likes it:
+  on an H200 (docs/results, "Asynchronous rollouts") one such step's mean KL was 63.5 against at most 0.37
+  lock-step. With ``beta > 0`` the KL of every token is weighted by the same ``pi_current / pi_behaviour`` as its
+  advantage (:func:`weighted_kl`; ``E_behaviour[w * k3] = E_current[k3]``, and ``w * k3`` stays near
+  ``pi_ref / pi_behaviour``), for the token-sum losses (dapo, cispo) whose normalisation the trainer repeats.
 - **Validation stays synchronous**: it waits for the rollouts in flight and launches none.
 - **Resume is exact for the question stream**: questions are drawn ahead (:class:`Lookahead`) but a checkpoint saves
   the stream's state from before the oldest draw no step has trained on, so rollouts in flight at a checkpoint are
@@ -58,6 +65,8 @@ import torch
 from searchr1_trl.update import loss_mask
 
 LINEAR_IN_ADVANTAGE_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+TOKEN_SUM_LOSSES = ("dapo", "cispo")  # summed over tokens / num_items_in_batch: the KL term's weighting (weighted_kl)
+WEIGHTS = "behaviour_weights"  # the key weight_by_behaviour adds to the step's output: pi_current / pi_behaviour
 
 
 @dataclass
@@ -100,6 +109,10 @@ def check_recipe(args, deepspeed: bool) -> None:
         raise ValueError(f"async_rollouts with loss_type={args.loss_type!r}: the staleness correction weights the "
                          "advantages, which equals weighting the loss only for "
                          f"{', '.join(LINEAR_IN_ADVANTAGE_LOSSES)}")
+    if args.beta != 0.0 and args.loss_type not in TOKEN_SUM_LOSSES:
+        raise ValueError(f"async_rollouts with beta={args.beta} and loss_type={args.loss_type!r}: the KL term is "
+                         f"weighted by the staleness correction for {', '.join(TOKEN_SUM_LOSSES)} only; use one of "
+                         "those or beta 0")
     if args.generator == "transformers" and deepspeed:
         raise ValueError("async_rollouts with generator='transformers' under DeepSpeed: the in-process generator "
                          "samples from a copy of the policy, which partitioned weights cannot give; use "
@@ -227,10 +240,13 @@ class SnapshotPush:
 def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor], args,
                         metrics: dict[str, list[float]]) -> dict:
     """``output`` of ``GRPOTrainer._generate_and_score_completions`` with its advantages weighted per token by
-    :func:`importance_weights` (TRL's knobs), where TRL has not weighted the loss itself (see the module docstring).
-    ``proximal_logps()`` computes the current weights' log-probs when TRL did not (one forward without gradients,
+    :func:`importance_weights` (TRL's knobs), where TRL has not weighted the loss itself (see the module docstring);
+    the weights, TRL's or these, also under :data:`WEIGHTS` for the KL term. ``proximal_logps()`` computes the current weights' log-probs when TRL did not (one forward without gradients,
     as TRL's vLLM path does)."""
-    if not args.vllm_importance_sampling_correction or "importance_sampling_ratio" in output:
+    if not args.vllm_importance_sampling_correction:
+        return output
+    if "importance_sampling_ratio" in output:  # TRL weights the loss itself; the KL term still needs the weights
+        output[WEIGHTS] = output["importance_sampling_ratio"]
         return output
     proximal = output.get("old_per_token_logps")
     proximal = proximal_logps() if proximal is None else proximal
@@ -243,7 +259,24 @@ def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor]
     metrics["async/importance_weight_zeroed"].append((per_token == 0).float().mean().item()
                                                      if per_token.numel() else 0.0)
     output["advantages"] = fold_into_advantages(output["advantages"], weights, mask.size(1))
+    output[WEIGHTS] = weights
     return output
+
+
+def weighted_kl(logps: torch.Tensor, inputs: dict, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL 1.16's per-token KL to the reference (``_compute_loss``: k3, times ``pi_theta / pi_old`` with
+    ``use_bias_correction_kl``), and the same weighted by :data:`WEIGHTS`: what a micro-batch's loss sums for the KL
+    term in place of TRL's unweighted one (module docstring)."""
+    ref = inputs["ref_per_token_logps"]
+    kl = torch.exp(ref - logps) - (ref - logps) - 1
+    if args.use_bias_correction_kl:
+        old = inputs.get("old_per_token_logps")
+        log_ratio = logps - (logps.detach() if old is None else old)
+        if args.importance_sampling_level == "sequence":
+            mask = loss_mask(inputs)
+            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        kl = kl * torch.exp(log_ratio)
+    return kl, kl * inputs[WEIGHTS]
 
 
 def importance_weights(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, mode: str,

@@ -40,7 +40,9 @@ The private surface of TRL 1.16.0 and transformers 5.24.0 this module relies on 
 fails, naming the entry, when the installed versions are not the pinned ones or an entry is gone):
 
 - ``trl.GRPOTrainer._compute_loss``: overridden, with ``padding_free`` hands the loss's token positions and old
-  log-probs to the forward below, so the LM head skips tool tokens.
+  log-probs to the forward below, so the LM head skips tool tokens; with async rollouts and KL, runs without its KL
+  term and adds the KL weighted by the staleness correction (its dapo/cispo normalisation and ``kl`` metric repeated).
+- ``trl.GRPOTrainer.beta``: set to 0 while TRL's loss runs without its KL term (above).
 - ``trl.GRPOTrainer._get_per_token_logps_and_entropies``: overridden, packs the rows for ``padding_free``.
 - ``trl.GRPOTrainer._generate``: overridden, pushes the weights first, so TRL's own NCCL push finds them loaded.
 - ``trl.GRPOTrainer._generate_and_score_completions``: overridden, reads each row's sample for ``rollout_func``,
@@ -109,6 +111,7 @@ class SearchR1Trainer(GRPOTrainer):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._synced_step = -1
         self._loss_positions: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by _compute_loss
+        self._loss_logps: list[torch.Tensor] | None = None  # collected by _compute_loss for the weighted KL
         # TRL requires a dataset object; this one describes the stream, the real batches come from QuestionBatches.
         train_dataset = datasets.IterableDataset.from_generator(lambda: iter(()))
         eval_dataset = datasets.Dataset.from_list([training_row(s, self.envs) for s in self.eval_samples]) or None
@@ -154,24 +157,50 @@ class SearchR1Trainer(GRPOTrainer):
         # Extends GRPOTrainer._compute_loss (TRL 1.16), which scores every completion position and masks tool tokens
         # afterwards: with padding_free the LM head scores only the loss's positions (a search rollout's passages are
         # most of its completion). A skipped position takes its old log-prob where there is one, so its ratio is 1
-        # (as TRL's on-policy case) and none overflows before the mask.
-        if not self.args.padding_free:
-            return super()._compute_loss(model, inputs)
-        self._loss_positions = loss_mask(inputs).bool(), inputs.get("old_per_token_logps")
+        # (as TRL's on-policy case) and none overflows before the mask. With async rollouts and KL, TRL's loss runs
+        # without its KL term and the weighted one is added here (async_rollouts.weighted_kl).
+        weighted = self.beta != 0.0 and async_rollouts.WEIGHTS in inputs
+        self._loss_positions = (loss_mask(inputs).bool(), inputs.get("old_per_token_logps")) \
+            if self.args.padding_free else None
+        self._loss_logps = [] if weighted else None
+        beta = self.beta
         try:
-            return super()._compute_loss(model, inputs)
+            self.beta = 0.0 if weighted else beta
+            loss = super()._compute_loss(model, inputs)
+            logps = self._loss_logps
         finally:
-            self._loss_positions = None
+            self.beta, self._loss_positions, self._loss_logps = beta, None, None
+        if not weighted:
+            return loss
+        kl, weighted_kl = async_rollouts.weighted_kl(torch.cat(logps), inputs, self.args)
+        mask = loss_mask(inputs)
+        # TRL's normalisation of dapo and cispo (the only losses async KL runs with: async_rollouts.check_recipe)
+        mode = "train" if self.model.training else "eval"
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        totals = self.accelerator.reduce(torch.stack([(kl * mask).sum().detach(), mask.sum().float()]), "sum")
+        self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        return loss + beta * (weighted_kl * mask).sum() / normalizer
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         # Extends GRPOTrainer._get_per_token_logps_and_entropies (TRL 1.16): with padding_free, each chunk of rows is
         # packed (searchr1_trl.update.packed_forward); the fused LM head and what it returns are TRL's. Called from
-        # _compute_loss it scores the loss's positions only (above).
-        if not self.args.padding_free:
-            return super()._get_per_token_logps_and_entropies(
+        # _compute_loss it scores the loss's positions only, and hands its log-probs to the weighted KL (above).
+        if self.args.padding_free:
+            result = self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                      compute_entropy, compute_aux_loss, **multimodal)
+        else:
+            result = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
+        if self._loss_logps is not None:
+            self._loss_logps.append(result[0])
+        return result
+
+    def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                    compute_entropy, compute_aux_loss, **multimodal):
         given = sorted(name for name, value in multimodal.items() if value is not None)
         if given:
             raise ValueError(f"padding_free=True packs text rollouts only; this batch has {', '.join(given)}")

@@ -21,6 +21,7 @@ from test_trainer import StopAfter, small_config
 from test_update import loss_and_grads, rollout_batch, update_config
 
 from searchr1_trl.async_rollouts import (
+    WEIGHTS,
     Lookahead,
     RolloutPipeline,
     fold_into_advantages,
@@ -166,6 +167,60 @@ def test_weights_folded_into_the_advantages_give_trls_importance_weighted_loss_a
         torch.testing.assert_close(folded_grads[name], trls_grads[name])
 
 
+def batch_with_reference(trainer, shift: float = 0.3) -> dict:
+    """``rollout_batch`` with reference log-probs ``shift`` nats above the policy's on every token."""
+    batch = rollout_batch(trainer.model.config.vocab_size)
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), 12)[0]
+    return {**batch, "ref_per_token_logps": logps + shift}
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_with_weights_of_one_the_async_kl_term_is_trls(tiny_model_dir, questions_file, tmp_path, padding_free):
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, beta=0.04,
+                                                                             padding_free=padding_free))
+    trainer.current_gradient_accumulation_steps = 1
+    batch = batch_with_reference(trainer)
+    trls_loss, trls_grads = loss_and_grads(trainer, batch)
+    ours_loss, ours_grads = loss_and_grads(trainer, {**batch, WEIGHTS: torch.ones(4, 1)})
+    torch.testing.assert_close(ours_loss, trls_loss)
+    for name in trls_grads:
+        torch.testing.assert_close(ours_grads[name], trls_grads[name])
+    mode = "train" if trainer.model.training else "eval"
+    trls_kl, ours_kl = trainer._metrics[mode]["kl"][-2:]
+    assert ours_kl == pytest.approx(trls_kl) and ours_kl > 0.01
+    assert trainer.beta == 0.04  # TRL's loss ran without its KL term, and the coefficient is back
+
+
+def test_a_stale_rollouts_kl_is_weighted_like_its_advantage(tiny_model_dir, questions_file, tmp_path):
+    # DAPO sums over tokens, so the weighted loss is TRL's, rollout by rollout, with beta and advantage times w;
+    # rollout 2 holds a token the policy finds e^-12 as likely as the reference does, sampled by older weights
+    # that liked it (weight e^-12): TRL's unweighted KL term is ~e^12 there, the weighted one ~1
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, beta=0.04))
+    trainer.current_gradient_accumulation_steps = 1
+    batch = batch_with_reference(trainer)
+    batch["ref_per_token_logps"][2, 0] += 12.0
+    weights = torch.tensor([[0.5], [2.0], [math.exp(-12.0)], [1.0]])
+    ours_loss, ours_grads = loss_and_grads(trainer, {**batch, WEIGHTS: weights, "advantages": fold_into_advantages(
+        batch["advantages"], weights, 12)})
+    rowwise_loss, rowwise_grads = 0.0, defaultdict(float)
+    for row, weight in enumerate(weights[:, 0].tolist()):
+        trainer.beta = 0.04 * weight
+        one = {key: value if key == "num_items_in_batch" else value[row:row + 1] for key, value in batch.items()}
+        loss, grads = loss_and_grads(trainer, {**one, "advantages": one["advantages"] * weight})
+        rowwise_loss += loss
+        for name, grad in grads.items():
+            rowwise_grads[name] = rowwise_grads[name] + grad
+    trainer.beta = 0.04
+    torch.testing.assert_close(ours_loss, rowwise_loss)
+    for name in rowwise_grads:
+        torch.testing.assert_close(ours_grads[name], rowwise_grads[name])
+    trls_loss, _ = loss_and_grads(trainer, batch)
+    assert abs(ours_loss) < 1.0 < 100.0 < trls_loss
+
+
 def test_recipes_the_async_mode_cannot_run_are_refused(tiny_model_dir, questions_file, tmp_path):
     with pytest.raises(ValueError, match="max_staleness=0; expected >= 1"):
         SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, async_rollouts=True,
@@ -173,6 +228,9 @@ def test_recipes_the_async_mode_cannot_run_are_refused(tiny_model_dir, questions
     with pytest.raises(ValueError, match="loss_type='vespo'"):
         SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, async_rollouts=True,
                                                                        loss_type="vespo"))
+    with pytest.raises(ValueError, match=r"beta=0\.04 and loss_type='grpo': the KL term is weighted"):
+        SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, async_rollouts=True,
+                                                                       beta=0.04, loss_type="grpo"))
 
 
 class TrainedQuestions:
