@@ -241,8 +241,8 @@ def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor]
                         metrics: dict[str, list[float]]) -> dict:
     """``output`` of ``GRPOTrainer._generate_and_score_completions`` with its advantages weighted per token by
     :func:`importance_weights` (TRL's knobs), where TRL has not weighted the loss itself (see the module docstring);
-    the weights, TRL's or these, also under :data:`WEIGHTS` for the KL term. ``proximal_logps()`` computes the current weights' log-probs when TRL did not (one forward without gradients,
-    as TRL's vLLM path does)."""
+    the weights, TRL's or these, also under :data:`WEIGHTS` for the KL term. ``proximal_logps()`` computes the
+    current weights' log-probs when TRL did not (one forward without gradients, as TRL's vLLM path does)."""
     if not args.vllm_importance_sampling_correction:
         return output
     if "importance_sampling_ratio" in output:  # TRL weights the loss itself; the KL term still needs the weights
