@@ -3,6 +3,7 @@
     python -m benchmarks.learning run --out runs/learning --seeds 0 1 2 --variant guard= \\
         --variant kl="--beta 0.04" [--gpu 0] [--kv_cache_gib 3]     # every variant x every seed, all at once
     python -m benchmarks.learning report runs/learning              # the table again, from the runs' summary.json
+    python -m benchmarks.learning pool --step 50 runs/a:kl runs/b:sync  # one recipe's runs from several batches
     # synchronous against asynchronous rollouts, speed and EM in one table: one batch of seeds per mode (equal GPU
     # sharing within a batch), both into the same --out
     python -m benchmarks.learning run --out runs/async --seeds 0 1 2 --variant sync=
@@ -175,6 +176,39 @@ def report(out: Path, baseline: str | None = None) -> dict:
     return table
 
 
+def pool(sources: list[str], step: int) -> dict:
+    """One recipe's runs from several batches, each source ``FOLDER:VARIANT``, compared at ``step``: per run the warm
+    start and the EM there (report sample), then the gain's and the EM's mean (sd, min) over all of them. A figure
+    over more seeds than one batch holds, reproducible from the runs' files."""
+    records = []
+    for source in sources:
+        folder, _, variant = source.rpartition(":")
+        if not folder or not variant:
+            raise SystemExit(f"pool: {source!r}; expected FOLDER:VARIANT, e.g. runs/async_e2e:sync_ipc")
+        found = [r for r in runs(Path(folder)) if r["variant"] == variant and "em" in r]
+        if not found:
+            raise SystemExit(f"pool: {folder} has no evaluated run of variant {variant!r}")
+        for record in found:
+            if step not in record["em_by_step"]:
+                raise SystemExit(f"pool: {folder}/{record['run']} was not evaluated at step {step} (steps "
+                                 f"{sorted(record['em_by_step'])})")
+            records.append((folder, record))
+    gains = [r["em_by_step"][step] - r["em"]["start"] for _, r in records]
+    ems = [r["em_by_step"][step] for _, r in records]
+    print(f"| run | sample | warm start | EM at step {step} | gain |\n| --- | --- | --- | --- | --- |")
+    for (folder, r), gain in zip(records, gains, strict=True):
+        print(f"| {folder}/{r['run']} | {r['sample']} | {r['em']['start']:.3f} | {r['em_by_step'][step]:.3f} | "
+              f"{gain:+.3f} |")
+    pooled = {"step": step, "gain": _spread(gains), "em": _spread(ems)}
+
+    def spread(value: dict, sign: str = "") -> str:
+        sd = "-" if value["sd"] is None else f"{value['sd']:.3f}"
+        return f"{value['mean']:{sign}.3f} ± {sd} (min {value['min']:{sign}.3f})"
+
+    print(f"\n{len(records)} runs at step {step}: gain {spread(pooled['gain'], '+')}, EM {spread(pooled['em'])}")
+    return pooled
+
+
 def variant_table(table: dict, baseline: str | None = None) -> str:
     """One Markdown row per variant, each figure a mean (sd, min) over seeds on its sample: EM of the warm start, the
     last step and the chosen checkpoint, and GRPO's gain over the warm start at both (what issue 22's goal reads);
@@ -223,6 +257,9 @@ def main() -> None:
     run.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs (starts faster)")
     rep = sub.add_parser("report", help="the table from finished runs")
     rep.add_argument("out")
+    pooled = sub.add_parser("pool", help="one recipe's runs from several batches, at one step")
+    pooled.add_argument("sources", nargs="+", help="FOLDER:VARIANT (repeat), e.g. runs/async_e2e:sync_ipc")
+    pooled.add_argument("--step", type=int, required=True, help="the step every run was evaluated at")
     for command in (run, rep):
         command.add_argument("--baseline", default=None,
                              help="the variant the speedup is over (a speed comparison; none without it)")
@@ -231,6 +268,8 @@ def main() -> None:
         if not args.variant:
             parser.error("give at least one --variant NAME=\"flags\"")
         launch(args)
+    elif args.command == "pool":
+        pool(args.sources, args.step)
     else:
         report(Path(args.out), args.baseline)
 

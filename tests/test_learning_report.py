@@ -2,7 +2,9 @@
 
 import json
 
-from benchmarks.learning import report
+import pytest
+
+from benchmarks.learning import pool, report
 
 
 def finished_run(out, variant, seed, runtime, em_last, report_sample=True):
@@ -109,3 +111,20 @@ def test_seeds_cut_short_are_compared_with_the_rest_at_the_newest_step_all_reach
     assert table["kl"]["gain_common"] == {"mean": 0.05, "sd": 0.01, "min": 0.04, "n": 3}
     assert table["kl"]["em_common"]["mean"] == 0.39
     assert "| +0.050 (0.010, +0.040) to EM 0.390 at step 50, seeds 0 1 2 | - | - |" in capsys.readouterr().out
+
+
+def test_one_recipes_runs_from_two_batches_are_pooled_at_one_step(tmp_path, capsys):
+    for seed, em_last in enumerate([0.46, 0.44]):
+        finished_run(tmp_path / "batch1", "kl", seed, 100.0, em_last)
+    finished_run(tmp_path / "batch2", "sync", 0, 100.0, 0.42)
+    finished_run(tmp_path / "batch2", "async", 0, 100.0, 0.10)  # another variant of that batch: left out
+    pooled = pool([f"{tmp_path / 'batch1'}:kl", f"{tmp_path / 'batch2'}:sync"], step=30)
+    assert pooled["gain"] == {"mean": 0.04, "sd": 0.02, "min": 0.02, "n": 3}
+    assert pooled["em"]["mean"] == 0.44
+    printed = capsys.readouterr().out
+    assert f"| {tmp_path / 'batch2'}/sync_s0 | report | 0.400 | 0.420 | +0.020 |" in printed
+    assert "3 runs at step 30: gain +0.040 ± 0.020 (min +0.020), EM 0.440 ± 0.020 (min 0.420)" in printed
+    with pytest.raises(SystemExit, match="sync_s0 was not evaluated at step 20"):
+        pool([f"{tmp_path / 'batch2'}:sync"], step=20)
+    with pytest.raises(SystemExit, match="has no evaluated run of variant 'kl'"):
+        pool([f"{tmp_path / 'batch2'}:kl"], step=30)
