@@ -177,12 +177,17 @@ def batch_with_reference(trainer, shift: float = 0.3) -> dict:
     return {**batch, "ref_per_token_logps": logps + shift}
 
 
-@pytest.mark.parametrize("padding_free", [False, True])
-def test_with_weights_of_one_the_async_kl_term_is_trls(tiny_model_dir, questions_file, tmp_path, padding_free):
-    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, beta=0.04,
-                                                                             padding_free=padding_free))
+@pytest.mark.parametrize("padding_free, level, old", [(False, "token", False), (True, "token", False),
+                                                       (False, "sequence", False), (False, "token", True)])
+def test_with_weights_of_one_the_async_kl_term_is_trls(tiny_model_dir, questions_file, tmp_path, padding_free, level,
+                                                       old):
+    # old: TRL's proximal log-probs given (its vLLM path computes them), so the KL's bias correction is not 1
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(
+        tmp_path, questions_file, beta=0.04, padding_free=padding_free, importance_sampling_level=level))
     trainer.current_gradient_accumulation_steps = 1
     batch = batch_with_reference(trainer)
+    if old:
+        batch["old_per_token_logps"] = batch["ref_per_token_logps"] - 0.5
     trls_loss, trls_grads = loss_and_grads(trainer, batch)
     ours_loss, ours_grads = loss_and_grads(trainer, {**batch, WEIGHTS: torch.ones(4, 1)})
     torch.testing.assert_close(ours_loss, trls_loss)
