@@ -43,9 +43,10 @@ Off by default (``async_rollouts``). What this module decides:
   generating from the weights the optimizer is writing would mix versions. It costs one more copy of the weights and
   is refused under DeepSpeed, whose partitioned weights the copy would not hold.
 
-What of TRL 1.16 this relies on: the keys ``sampling_per_token_logps``, ``old_per_token_logps`` and
-``importance_sampling_ratio`` of ``_generate_and_score_completions``' output, and ``_compute_loss`` reading (B, T)
-advantages as they are; ``tests/test_async_rollouts.py`` checks the folded weight against TRL's own weighting.
+What of TRL 1.16 this relies on: the keys ``sampling_per_token_logps``, ``old_per_token_logps``,
+``importance_sampling_ratio`` and ``ref_per_token_logps`` of ``_generate_and_score_completions``' output, and
+``_compute_loss`` reading (B, T) advantages as they are and building its KL term as :func:`weighted_kl` repeats it;
+``tests/test_async_rollouts.py`` checks the folded weight and the KL term against TRL's own.
 """
 
 from __future__ import annotations
