@@ -264,17 +264,16 @@ def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor]
     return output
 
 
-def weighted_kl(logps: torch.Tensor, inputs: dict, args) -> tuple[torch.Tensor, torch.Tensor]:
+def weighted_kl(logps: torch.Tensor, inputs: dict, mask: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     """TRL 1.16's per-token KL to the reference (``_compute_loss``: k3, times ``pi_theta / pi_old`` with
-    ``use_bias_correction_kl``), and the same weighted by :data:`WEIGHTS`: what a micro-batch's loss sums for the KL
-    term in place of TRL's unweighted one (module docstring)."""
+    ``use_bias_correction_kl``; ``mask`` the loss's tokens), and the same weighted by :data:`WEIGHTS`: what a
+    micro-batch's loss sums for the KL term in place of TRL's unweighted one (module docstring)."""
     ref = inputs["ref_per_token_logps"]
     kl = torch.exp(ref - logps) - (ref - logps) - 1
     if args.use_bias_correction_kl:
         old = inputs.get("old_per_token_logps")
         log_ratio = logps - (logps.detach() if old is None else old)
         if args.importance_sampling_level == "sequence":
-            mask = loss_mask(inputs)
             log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
         kl = kl * torch.exp(log_ratio)
     return kl, kl * inputs[WEIGHTS]

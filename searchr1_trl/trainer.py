@@ -159,21 +159,19 @@ class SearchR1Trainer(GRPOTrainer):
         # most of its completion). A skipped position takes its old log-prob where there is one, so its ratio is 1
         # (as TRL's on-policy case) and none overflows before the mask. With async rollouts and KL, TRL's loss runs
         # without its KL term and the weighted one is added here (async_rollouts.weighted_kl).
+        mask = loss_mask(inputs)
         weighted = self.beta != 0.0 and async_rollouts.WEIGHTS in inputs
-        self._loss_positions = (loss_mask(inputs).bool(), inputs.get("old_per_token_logps")) \
-            if self.args.padding_free else None
+        self._loss_positions = (mask.bool(), inputs.get("old_per_token_logps")) if self.args.padding_free else None
         self._loss_logps = [] if weighted else None
-        beta = self.beta
+        beta, self.beta = self.beta, 0.0 if weighted else self.beta
         try:
-            self.beta = 0.0 if weighted else beta
             loss = super()._compute_loss(model, inputs)
             logps = self._loss_logps
         finally:
             self.beta, self._loss_positions, self._loss_logps = beta, None, None
         if not weighted:
             return loss
-        kl, weighted_kl = async_rollouts.weighted_kl(torch.cat(logps), inputs, self.args)
-        mask = loss_mask(inputs)
+        kl, weighted_kl = async_rollouts.weighted_kl(torch.cat(logps), inputs, mask, self.args)
         # TRL's normalisation of dapo and cispo (the only losses async KL runs with: async_rollouts.check_recipe)
         mode = "train" if self.model.training else "eval"
         normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
