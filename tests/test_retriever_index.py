@@ -12,6 +12,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 import pytest
+import torch
 
 from retriever_server.build_index import BuildConfig, build, shards_dir
 from retriever_server.encoder import Encoder, EncoderConfig
@@ -148,6 +149,37 @@ def test_a_query_gets_fewer_documents_only_when_the_corpus_holds_fewer(built):
 
     assert [len(h.documents) for h in hits] == [24, 2, 24] and [len(h.scores) for h in hits] == [24, 2, 24]
     assert hits[1].documents == hits[2].documents[:2]  # in a shared batch, a smaller topk is a prefix
+
+
+class _ShortOfMemoryIndex:
+    """A fault on purpose: the real index behind a GPU with memory for at most ``fits`` queries per search."""
+
+    def __init__(self, index, fits: int):
+        self.index, self.fits, self.ntotal, self.d, self.batches = index, fits, index.ntotal, index.d, []
+
+    def search(self, vectors, k):
+        self.batches.append(len(vectors))
+        if len(vectors) > self.fits:
+            raise torch.OutOfMemoryError(f"CUDA out of memory searching {len(vectors)} queries")
+        return self.index.search(vectors, k)
+
+
+def test_a_batch_the_gpu_has_no_memory_for_is_searched_in_halves_with_the_same_hits(built, caplog):
+    config, encoder_config = built
+    whole = Retriever.from_paths(config.index_path, config.corpus_path, encoder_config, SearchConfig())
+    short = _ShortOfMemoryIndex(whole.index, fits=2)
+    halving = Retriever(whole.encoder, short, whole.corpus)
+    queries, topks = ["Super Bowl 50", "Denver Broncos", "Carolina Panthers", "Levi's Stadium", "Lady Gaga"], [3] * 5
+
+    hits, expected = halving.search(queries, topks), whole.search(queries, topks)
+
+    assert [h.documents for h in hits] == [h.documents for h in expected]
+    # Encoded in smaller batches (less padding), the scores agree to float rounding.
+    assert [h.scores for h in hits] == [pytest.approx(h.scores, abs=1e-5) for h in expected]
+    assert short.batches == [5, 2, 3, 1, 2]
+    assert "out of GPU memory searching 5 queries at once: searching them as 2 + 3" in caplog.text
+    with pytest.raises(torch.OutOfMemoryError, match="searching 1 queries"):
+        Retriever(whole.encoder, _ShortOfMemoryIndex(whole.index, fits=0), whole.corpus).search(queries[:1], [3])
 
 
 def test_retriever_refuses_an_index_built_from_another_corpus(built):
