@@ -74,6 +74,14 @@ def _spread(values: list[float]) -> dict[str, float | None]:
             "min": round(min(values), 4) if values else None, "n": len(values)}
 
 
+def _spread_text(value: dict, sign: str = "") -> str:
+    """``_spread``'s figures as the results write them, "mean ± sd (min m)"; ``sign`` "+" for gains."""
+    if value["mean"] is None:
+        return "-"
+    sd = "-" if value["sd"] is None else f"{value['sd']:.3f}"
+    return f"{value['mean']:{sign}.3f} ± {sd} (min {value['min']:{sign}.3f})"
+
+
 def runs(out: Path) -> list[dict]:
     """One record per run under ``out``: EM at the warm start, the last step and the checkpoint the run ended on, with
     what the agent learned there. EM is on the report sample; a run without one (``report_num_samples 0``, e.g. a quick
@@ -200,29 +208,19 @@ def pool(sources: list[str], step: int) -> dict:
         print(f"| {folder}/{r['run']} | {r['sample']} | {r['em']['start']:.3f} | {r['em_by_step'][step]:.3f} | "
               f"{gain:+.3f} |")
     pooled = {"step": step, "gain": _spread(gains), "em": _spread(ems)}
-
-    def spread(value: dict, sign: str = "") -> str:
-        sd = "-" if value["sd"] is None else f"{value['sd']:.3f}"
-        return f"{value['mean']:{sign}.3f} ± {sd} (min {value['min']:{sign}.3f})"
-
-    print(f"\n{len(records)} runs at step {step}: gain {spread(pooled['gain'], '+')}, EM {spread(pooled['em'])}")
+    print(f"\n{len(records)} runs at step {step}: gain {_spread_text(pooled['gain'], '+')}, EM "
+          f"{_spread_text(pooled['em'])}")
     return pooled
 
 
 def variant_table(table: dict, baseline: str | None = None) -> str:
-    """One Markdown row per variant, each figure a mean (sd, min) over seeds on its sample: EM of the warm start, the
+    """One Markdown row per variant, each figure a mean ± sd (min) over seeds on its sample: EM of the warm start, the
     last step and the chosen checkpoint, and GRPO's gain over the warm start at both (what issue 22's goal reads);
     the gain at the newest step all seeds reached, unfinished ones included (its step and seeds beside it);
     mean ``train_runtime`` and, where a ``baseline`` variant is named, the speedup over it ("-" otherwise). Rows as
     printed: tests/test_learning_report.py."""
     reference = table[baseline]["train_runtime_s"]["mean"] if baseline in table else None
-
-    def spread(value: dict, sign: str = "") -> str:
-        if value["mean"] is None:
-            return "-"
-        sd = "-" if value["sd"] is None else f"{value['sd']:.3f}"
-        return f"{value['mean']:{sign}.3f} ({sd}, {value['min']:{sign}.3f})"
-
+    spread = _spread_text
     lines = ["| variant | flags | sample | seeds | warm start | EM last step | EM chosen | gain, last step | "
              "gain, chosen | gain, step all seeds reached | train_runtime s | speedup |", "| --- " * 12 + "|"]
     for variant, row in table.items():

@@ -26,13 +26,15 @@ def test_the_report_gives_each_variants_train_runtime_and_report_em_and_the_spee
     assert table["sync"]["train_runtime_s"]["mean"] == 160.0 and table["async"]["train_runtime_s"]["mean"] == 80.0
     assert table["async"]["last"]["mean"] == 0.43
     printed = capsys.readouterr().out
-    assert ("| async | `` | report | 0 1 2 | 0.400 (0.000, 0.400) | 0.430 (0.000, 0.430) | 0.430 (0.000, 0.430) | "
-            "+0.030 (0.000, +0.030) | +0.030 (0.000, +0.030) | "
-            "+0.030 (0.000, +0.030) to EM 0.430 at step 30, seeds 0 1 2 | "
+    assert ("| async | `` | report | 0 1 2 | 0.400 ± 0.000 (min 0.400) | 0.430 ± 0.000 (min 0.430) | "
+            "0.430 ± 0.000 (min 0.430) | "
+            "+0.030 ± 0.000 (min +0.030) | +0.030 ± 0.000 (min +0.030) | "
+            "+0.030 ± 0.000 (min +0.030) to EM 0.430 at step 30, seeds 0 1 2 | "
             "80.0 | 2.00x |") in printed
-    assert ("| sync | `` | report | 0 1 2 | 0.400 (0.000, 0.400) | 0.440 (0.000, 0.440) | 0.440 (0.000, 0.440) | "
-            "+0.040 (0.000, +0.040) | +0.040 (0.000, +0.040) | "
-            "+0.040 (0.000, +0.040) to EM 0.440 at step 30, seeds 0 1 2 | "
+    assert ("| sync | `` | report | 0 1 2 | 0.400 ± 0.000 (min 0.400) | 0.440 ± 0.000 (min 0.440) | "
+            "0.440 ± 0.000 (min 0.440) | "
+            "+0.040 ± 0.000 (min +0.040) | +0.040 ± 0.000 (min +0.040) | "
+            "+0.040 ± 0.000 (min +0.040) to EM 0.440 at step 30, seeds 0 1 2 | "
             "160.0 | 1.00x |") in printed
     assert json.loads((tmp_path / "learning.json").read_text())["variants"]["async"]["train_runtime_s"]["n"] == 3
 
@@ -41,8 +43,9 @@ def test_a_baseline_that_has_not_run_yet_leaves_the_speedup_out(tmp_path, capsys
     finished_run(tmp_path, "async", 0, 80.0, 0.43)
     report(tmp_path, baseline="sync")
     printed = capsys.readouterr().out
-    assert ("| async | `` | report | 0 | 0.400 (-, 0.400) | 0.430 (-, 0.430) | 0.430 (-, 0.430) | +0.030 (-, +0.030) | "
-            "+0.030 (-, +0.030) | +0.030 (-, +0.030) to EM 0.430 at step 30, seeds 0 | 80.0 | - |") in printed
+    assert ("| async | `` | report | 0 | 0.400 ± - (min 0.400) | 0.430 ± - (min 0.430) | 0.430 ± - (min 0.430) | "
+            "+0.030 ± - (min +0.030) | +0.030 ± - (min +0.030) | "
+            "+0.030 ± - (min +0.030) to EM 0.430 at step 30, seeds 0 | 80.0 | - |") in printed
     assert "no speedup: the baseline variant 'sync' has no finished run here (async)" in printed
 
 
@@ -51,11 +54,12 @@ def test_learning_variants_compared_without_a_baseline_get_no_speedup(tmp_path, 
     finished_run(tmp_path, "steps60", 0, 300.0, 0.45)
     report(tmp_path)
     printed = capsys.readouterr().out
-    assert ("| base | `` | report | 0 | 0.400 (-, 0.400) | 0.440 (-, 0.440) | 0.440 (-, 0.440) | +0.040 (-, +0.040) | "
-            "+0.040 (-, +0.040) | +0.040 (-, +0.040) to EM 0.440 at step 30, seeds 0 | 160.0 | - |") in printed
-    assert ("| steps60 | `` | report | 0 | 0.400 (-, 0.400) | 0.450 (-, 0.450) | 0.450 (-, 0.450) | "
-            "+0.050 (-, +0.050) | +0.050 (-, +0.050) | "
-            "+0.050 (-, +0.050) to EM 0.450 at step 30, seeds 0 | 300.0 | - |") in printed
+    assert ("| base | `` | report | 0 | 0.400 ± - (min 0.400) | 0.440 ± - (min 0.440) | 0.440 ± - (min 0.440) | "
+            "+0.040 ± - (min +0.040) | +0.040 ± - (min +0.040) | "
+            "+0.040 ± - (min +0.040) to EM 0.440 at step 30, seeds 0 | 160.0 | - |") in printed
+    assert ("| steps60 | `` | report | 0 | 0.400 ± - (min 0.400) | 0.450 ± - (min 0.450) | 0.450 ± - (min 0.450) | "
+            "+0.050 ± - (min +0.050) | +0.050 ± - (min +0.050) | "
+            "+0.050 ± - (min +0.050) to EM 0.450 at step 30, seeds 0 | 300.0 | - |") in printed
     assert "no speedup" not in printed
 
 
@@ -110,7 +114,7 @@ def test_seeds_cut_short_are_compared_with_the_rest_at_the_newest_step_all_reach
     assert (table["kl"]["common_step"], table["kl"]["common_seeds"]) == (50, [0, 1, 2])
     assert table["kl"]["gain_common"] == {"mean": 0.05, "sd": 0.01, "min": 0.04, "n": 3}
     assert table["kl"]["em_common"]["mean"] == 0.39
-    assert "| +0.050 (0.010, +0.040) to EM 0.390 at step 50, seeds 0 1 2 | - | - |" in capsys.readouterr().out
+    assert "| +0.050 ± 0.010 (min +0.040) to EM 0.390 at step 50, seeds 0 1 2 | - | - |" in capsys.readouterr().out
 
 
 def test_one_recipes_runs_from_two_batches_are_pooled_at_one_step(tmp_path, capsys):
