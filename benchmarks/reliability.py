@@ -62,10 +62,11 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
          f"{success:.1%} of {poison['good_requests']:,} ({poison['extra_requests']} poison requests, all "
          f"{poison['extra_statuses']})", success == 1.0,
          "test_reliability_server: test_64_good_clients_are_all_answered_beside_poison_and_a_heavy_request"),
-        ("good requests answered beside the heaviest allowed request (64 clients, 10 s)", ">= 1/2 of clean",
+        ("good requests answered beside the heaviest allowed request (64 clients, 10 s)",
+         ">= 1/4 of clean (held back: ~0, the request outlasts the run)",
          f"{heavy['good_requests']:,} vs clean {clean['good_requests']:,} = {ratio:.2f}x, {heavy['good_failed']} "
          f"failed (p99 {heavy['p99_ms']:.0f} ms vs clean {clean['p99_ms']:.0f} ms)",
-         ratio >= 0.5 and heavy["good_failed"] == 0,
+         ratio >= 0.25 and heavy["good_failed"] == 0,
          "test_reliability_server: test_64_good_clients_are_all_answered_beside_poison_and_a_heavy_request"),
         ("good clients beside nine maximal requests (1,024 x ~940 characters, topk 4) resent at once",
          "p99 <= 2x clean, throughput >= 70% of clean",

@@ -457,9 +457,10 @@ def test_64_good_clients_are_all_answered_beside_poison_and_a_heavy_request(load
     clean, poison, heavy = load_runs["clean"], load_runs["poison"], load_runs["heavy"]
     assert clean["good_failed"] == poison["good_failed"] == heavy["good_failed"] == 0
     assert poison["extra_statuses"] == [422] and poison["extra_requests"] >= 50
-    # Counts, not p99: a heavy request that held the good clients back would halve what they get answered in the
-    # same 10 s, while a tail latency of a few hundred samples flakes on a busy CI machine.
-    assert heavy["good_requests"] >= clean["good_requests"] / 2, (heavy["good_requests"], clean["good_requests"])
+    # Counts, not p99 (a tail latency of a few hundred samples flakes on a busy CI machine). A heavy request that held
+    # the good clients back would leave them almost nothing answered: it outlasts the 10 s run. The CPU its chunks
+    # take is a share two cores cannot avoid: 0.84-0.95x of clean on an idle machine, 0.48x once in a full suite.
+    assert heavy["good_requests"] >= clean["good_requests"] / 4, (heavy["good_requests"], clean["good_requests"])
     assert metrics(base_url)["disconnects_total"] >= 1  # the heavy request left running was cancelled
 
 
