@@ -155,27 +155,29 @@ class Retriever:
         return cls(encoder, index, corpus)
 
     def search(self, queries: list[str], topks: Sequence[int]) -> list[Hits]:
-        """Top ``topks[i]`` documents for ``queries[i]``; a query gets fewer only if the index holds fewer.
-
-        A batch the GPU has no memory for is searched as two halves, down to single queries: on a GPU shared with
-        training (the offline GPU recipe), the memory free for a batch comes and goes, and a search that waits is
-        better than an error the client retries after seconds.
-        """
-        try:
-            vectors = self.encoder.encode_queries(queries)
-            k = min(max(topks), self.index.ntotal)
-            scores, rows = self.index.search(vectors, k)
-        except torch.OutOfMemoryError:
-            if len(queries) == 1:
-                raise
-            torch.cuda.empty_cache()
-            half = len(queries) // 2
-            logger.warning("out of GPU memory searching %d queries at once: searching them as %d + %d",
-                           len(queries), half, len(queries) - half)
-            return self.search(queries[:half], topks[:half]) + self.search(queries[half:], topks[half:])
+        """Top ``topks[i]`` documents for ``queries[i]``; a query gets fewer only if the index holds fewer."""
+        vectors = self.encoder.encode_queries(queries)
+        k = min(max(topks), self.index.ntotal)
+        scores, rows = self._search_index(vectors, k)
         # Each query keeps its own prefix of the shared top-k; faiss marks missing results (IVF, HNSW) with -1.
         keep = (np.arange(k)[None, :] < np.asarray(topks)[:, None]) & (rows >= 0)
         documents = self.corpus.take(rows[keep])
         flat_scores = scores[keep].tolist()
         bounds = np.concatenate([[0], np.cumsum(keep.sum(axis=1))]).tolist()
         return [Hits(documents[a:b], flat_scores[a:b]) for a, b in itertools.pairwise(bounds)]
+
+    def _search_index(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The index's search; a batch the GPU has no memory for is searched as two halves, down to single vectors.
+        On a GPU shared with training (the offline GPU recipe) the memory free for a batch comes and goes, and a
+        search that waits is better than an error the client retries after seconds."""
+        try:
+            return self.index.search(vectors, k)
+        except torch.OutOfMemoryError:
+            if len(vectors) == 1:
+                raise
+            torch.cuda.empty_cache()
+            half = len(vectors) // 2
+            logger.warning("out of GPU memory searching %d queries at once: searching them as %d + %d",
+                           len(vectors), half, len(vectors) - half)
+            halves = self._search_index(vectors[:half], k), self._search_index(vectors[half:], k)
+            return np.concatenate([h[0] for h in halves]), np.concatenate([h[1] for h in halves])

@@ -174,7 +174,7 @@ def test_a_batch_the_gpu_has_no_memory_for_is_searched_in_halves_with_the_same_h
     hits, expected = halving.search(queries, topks), whole.search(queries, topks)
 
     assert [h.documents for h in hits] == [h.documents for h in expected]
-    # Encoded in smaller batches (less padding), the scores agree to float rounding.
+    # The same vectors searched in smaller batches: the same scores, to the float rounding of the search.
     assert [h.scores for h in hits] == [pytest.approx(h.scores, abs=1e-5) for h in expected]
     assert short.batches == [5, 2, 3, 1, 2]
     assert "out of GPU memory searching 5 queries at once: searching them as 2 + 3" in caplog.text
