@@ -155,6 +155,7 @@ class SearchR1Config(GRPOConfig):
     max_completion_length: int | None = _owned("from max_rollout_tokens")
     remove_unused_columns: bool | None = _owned("False: the rubric reads golden_answers from each row")
     ignore_data_skip: bool | None = _owned("True: the question stream restores its own position")
+    num_generations_eval: int | None = _owned("1: validation is one greedy rollout per question")
 
     # --- questions ---
     train_data_path: str | None = knob("train_stream", "data_path")
@@ -310,6 +311,9 @@ TRAINER_OWNED: dict[str, tuple[Callable[[SearchR1Config], Any], str]] = {
     "max_completion_length": (lambda c: c.max_rollout_tokens, "; set max_rollout_tokens"),
     "remove_unused_columns": (lambda c: False, ""),
     "ignore_data_skip": (lambda c: True, ""),
+    # Validation is SearchR1Trainer.evaluate's greedy rollouts, not TRL's eval loop: TRL's check that its eval batch
+    # holds whole groups would otherwise refuse num_generations 16.
+    "num_generations_eval": (lambda c: 1, ""),
 }
 
 # Recipe field -> (part, knob of that part); every field declared with knob().

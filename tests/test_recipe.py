@@ -362,6 +362,7 @@ def test_build_task_wires_sampling_rubric_and_generator(tmp_path, monkeypatch, t
     (("--ignore_data_skip", "false"), "remove it from the recipe"),
     (("--vllm_mode", "colocate"), "remove it from the recipe"),
     (("--remove_unused_columns", "true"), "remove it from the recipe"),
+    (("--num_generations_eval", "8"), "remove it from the recipe"),
 ])
 def test_a_recipe_setting_a_field_the_trainer_owns_is_refused(override, instead):
     with pytest.raises(ValueError, match=rf"{override[0][2:]}=.*SearchR1Trainer sets .* itself.*{instead}"):
@@ -374,6 +375,13 @@ def test_fields_the_trainer_owns_are_derived_when_left_unset():
     assert (args.remove_unused_columns, args.ignore_data_skip, args.accelerator_config.dispatch_batches) == (
         False, True, False)
     assert config(use_vllm=False, max_completion_length=3072).use_vllm is False  # the value it needs is accepted
+
+
+def test_groups_larger_than_the_eval_batch_are_accepted():
+    """Validation rolls out each question once, greedily: the group size bounds no eval batch."""
+    args = config(num_generations=16, per_device_train_batch_size=4, gradient_accumulation_steps=16,
+                  eval_strategy="steps", eval_steps=10)
+    assert (args.num_generations, args.num_generations_eval, args.per_device_eval_batch_size) == (16, 1, 8)
 
 
 def test_offline_asset_paths_follow_searchr1_cache(tmp_path, monkeypatch):
