@@ -19,6 +19,11 @@
 #                                              # with compiled layers (policy_update_0_5b.jsonl)
 #   bash benchmarks/gpu_path.sh trainer_compile  # one GPU, ~5 min: 12 GRPO steps eager, compile_layers, padding_free, both
 #   bash benchmarks/gpu_path.sh rollouts_wiki   # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
+#   bash benchmarks/gpu_path.sh learning_sibling  # one GPU, ~20 min: the recipe on the 1.5B sibling, 3 seeds side by
+#                                              # side (bundle with BUNDLE_SIBLING=1), then that model's closed-book
+#                                              # and RAG on the report sample (the bar: its RAG + 0.10)
+#   bash benchmarks/gpu_path.sh learning_levers   # one GPU, ~20 min: the recipe with top-1 retrieval, and with 16
+#                                              # rollouts per question: 3 seeds each, six runs side by side
 #   bash benchmarks/gpu_path.sh async_e2e "<modes>" [gpu]  # offline_gpu, 3 seeds of each mode side by side; modes
 #                                              # of sync, async, async pausing in-flight rollouts for a push (pause),
 #                                              # sync_ipc, async_ipc (the push through CUDA IPC): one table in
@@ -83,6 +88,19 @@ case "${1:?step}" in
     baseline=${modes%% *}
     python3 -m benchmarks.learning run --out "$RUNS/async_e2e" --seeds 0 1 2 --gpu "$gpu" --baseline "$baseline" \
       "${variants[@]}" ${EAGER:+--eager} ;;
+  learning_sibling)  # ~44 GB a run: fp32 weights, Adam and reference of 1.5B, micro-batches of 2, a 2 GiB KV cache
+    sibling=$CACHE/models/Qwen2.5-Coder-1.5B-Instruct
+    [ -d "$sibling" ] || { echo "no $sibling: searchr1-assets --sibling, bundle with BUNDLE_SIBLING=1" >&2; exit 2; }
+    python3 -m benchmarks.learning run --out "$RUNS/learning_sibling" --seeds 0 1 2 --kv_cache_gib 2 ${EAGER:+--eager} \
+      --variant "q15=--model $sibling --per_device_train_batch_size 2 --gradient_accumulation_steps 32 \
+        --weight_sync ipc $LIGHT_SAVES"
+    python3 scripts/eval_offline.py --checkpoints "$sibling" --corpus full --num_samples 500 --sample_offset 500 \
+      --methods direct rag --generator transformers --max_concurrency 256 --retriever_port 8200 \
+      --output_dir "$RUNS/eval_sibling_report" ;;
+  learning_levers)  # levers not yet run on the 0.5B (docs/results/learning.md), the recipe's other flags as committed
+    python3 -m benchmarks.learning run --out "$RUNS/learning_levers" --seeds 0 1 2 --kv_cache_gib 2 ${EAGER:+--eager} \
+      --variant "top1=--topk 1 --weight_sync ipc $LIGHT_SAVES" \
+      --variant "g16=--num_generations 16 --weight_sync ipc $LIGHT_SAVES" ;;
   eval_table)  # the retriever on that GPU's host, each checkpoint in-process on that GPU
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \
