@@ -22,8 +22,10 @@
 #   bash benchmarks/gpu_path.sh learning_sibling  # one GPU, ~20 min: the recipe on the 1.5B sibling, 3 seeds side by
 #                                              # side (bundle with BUNDLE_SIBLING=1), then that model's closed-book
 #                                              # and RAG on the report sample (the bar: its RAG + 0.10)
-#   bash benchmarks/gpu_path.sh learning_levers   # one GPU, ~20 min: the recipe with top-1 retrieval, and with 16
-#                                              # rollouts per question: 3 seeds each, six runs side by side
+#   bash benchmarks/gpu_path.sh learning_levers ["<levers>"]  # one GPU, ~20 min: the recipe with each lever of
+#                                              # top1 (top-1 retrieval), g16 (16 rollouts per question), nosearch (a
+#                                              # no-search penalty of 0.1); default "top1 g16": 3 seeds each side by
+#                                              # side (two levers, six runs, fill one H200)
 #   bash benchmarks/gpu_path.sh async_e2e "<modes>" [gpu]  # offline_gpu, 3 seeds of each mode side by side; modes
 #                                              # of sync, async, async pausing in-flight rollouts for a push (pause),
 #                                              # sync_ipc, async_ipc (the push through CUDA IPC): one table in
@@ -98,9 +100,18 @@ case "${1:?step}" in
       --methods direct rag --generator transformers --max_concurrency 256 --retriever_port 8200 \
       --output_dir "$RUNS/eval_sibling_report" ;;
   learning_levers)  # levers not yet run on the 0.5B (docs/results/learning.md), the recipe's other flags as committed
+    variants=()
+    for lever in ${2:-top1 g16}; do
+      case "$lever" in
+        top1) flags="--topk 1" ;;
+        g16) flags="--num_generations 16" ;;
+        nosearch) flags="--no_search_penalty 0.1" ;;
+        *) echo "learning_levers: lever $lever; expected top1, g16 or nosearch" >&2; exit 2 ;;
+      esac
+      variants+=(--variant "$lever=$flags --weight_sync ipc $LIGHT_SAVES")
+    done
     python3 -m benchmarks.learning run --out "$RUNS/learning_levers" --seeds 0 1 2 --kv_cache_gib 2 ${EAGER:+--eager} \
-      --variant "top1=--topk 1 --weight_sync ipc $LIGHT_SAVES" \
-      --variant "g16=--num_generations 16 --weight_sync ipc $LIGHT_SAVES" ;;
+      "${variants[@]}" ;;
   eval_table)  # the retriever on that GPU's host, each checkpoint in-process on that GPU
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \
