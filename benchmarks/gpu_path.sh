@@ -90,12 +90,14 @@ case "${1:?step}" in
     baseline=${modes%% *}
     python3 -m benchmarks.learning run --out "$RUNS/async_e2e" --seeds 0 1 2 --gpu "$gpu" --baseline "$baseline" \
       "${variants[@]}" ${EAGER:+--eager} ;;
-  learning_sibling)  # ~44 GB a run: fp32 weights, Adam and reference of 1.5B, micro-batches of 2, a 2 GiB KV cache
+  learning_sibling)  # ~43 GB a run: bf16 weights and reference, fp32 masters and Adam in the optimizer (as the Qwen3
+    # recipes), micro-batches of 2, a 2 GiB KV cache. fp32 weights, as the 0.5B recipe, come to ~48 GB: three of those
+    # leave under 5 GB of the H200's 139 GiB.
     sibling=$CACHE/models/Qwen2.5-Coder-1.5B-Instruct
     [ -d "$sibling" ] || { echo "no $sibling: searchr1-assets --sibling, bundle with BUNDLE_SIBLING=1" >&2; exit 2; }
     python3 -m benchmarks.learning run --out "$RUNS/learning_sibling" --seeds 0 1 2 --kv_cache_gib 2 ${EAGER:+--eager} \
-      --variant "q15=--model $sibling --per_device_train_batch_size 2 --gradient_accumulation_steps 32 \
-        --weight_sync ipc $LIGHT_SAVES"
+      --variant "q15=--model $sibling --dtype bfloat16 --fp32_master_weights true --per_device_train_batch_size 2 \
+        --gradient_accumulation_steps 32 --weight_sync ipc $LIGHT_SAVES"
     python3 scripts/eval_offline.py --checkpoints "$sibling" --corpus full --num_samples 500 --sample_offset 500 \
       --methods direct rag --generator transformers --max_concurrency 256 --retriever_port 8200 \
       --output_dir "$RUNS/eval_sibling_report" ;;
