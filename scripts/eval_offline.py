@@ -44,6 +44,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["direct", "rag", "agent"])
     parser.add_argument("--corpus", choices=["slice", "full"], default="slice")
     parser.add_argument("--distractors", type=int, default=500)
+    parser.add_argument("--index_path", help="an index built before over the same corpus, e.g. <output_dir>/data/"
+                        "index.faiss of an earlier --corpus full run (18 min on 2 cores): not built again; the "
+                        "retriever refuses one built from another corpus")
     parser.add_argument("--generator", choices=["vllm", "transformers"], default="vllm",
                         help="vllm: a trl vllm-serve per checkpoint; transformers: each checkpoint in-process")
     parser.add_argument("--max_concurrency", type=int, default=8, help="rollouts in flight (8 suits a CPU vLLM)")
@@ -70,9 +73,10 @@ def main() -> None:
         corpus = str(out / "data" / "corpus.jsonl")
         passages = corpus_slice(assets.corpus, titles, args.distractors, Path(corpus))
         logger.info("corpus slice: %d passages (%d articles + leads)", passages, len(titles))
-    index = out / "data" / "index.faiss"
-    subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", corpus,
-                    "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)
+    index = Path(args.index_path) if args.index_path else out / "data" / "index.faiss"
+    if not args.index_path:
+        subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", corpus,
+                        "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)
     with RetrieverProcess(index_path=str(index), corpus_path=corpus, retriever_model=assets.embedder,
                           port=args.retriever_port, log_file=str(out / "retriever.log")) as retriever:
         for checkpoint in checkpoints:

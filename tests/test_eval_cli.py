@@ -162,6 +162,25 @@ def test_eval_offline_with_in_process_generation_starts_its_retriever_and_no_vll
     assert not (out / "vllm.log").exists()
     assert len((out / "traces.jsonl").read_text().splitlines()) == 4  # 2 questions x 2 methods
 
+    # the same questions again on the index built above: nothing embedded; the same sample's corpus, the same table
+    again = tmp_path / "again"
+    run = subprocess.run([sys.executable, "scripts/eval_offline.py", "--checkpoints", str(tiny_model_dir),
+                          "--num_samples", "2", "--distractors", "10", "--methods", "direct", "rag",
+                          "--generator", "transformers", "--retriever_port", str(free_port()),
+                          "--index_path", str(out / "data" / "index.faiss"), "--output_dir", str(again)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "build_index" not in run.stderr and not (again / "data" / "index.faiss").exists()
+    assert (again / eval_cli.RESULTS_MD).read_text() == table
+    # an index of another corpus (a slice with other distractors) is refused before any question, naming why
+    other = subprocess.run([sys.executable, "scripts/eval_offline.py", "--checkpoints", str(tiny_model_dir),
+                            "--num_samples", "2", "--distractors", "5", "--methods", "direct",
+                            "--generator", "transformers", "--retriever_port", str(free_port()),
+                            "--index_path", str(out / "data" / "index.faiss"), "--output_dir", str(tmp_path / "other")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert other.returncode != 0 and "corpus" in other.stderr.splitlines()[-1]
+    assert not (tmp_path / "other" / "traces.jsonl").exists()
+
 
 class FaultyRetrieverProxy(BaseHTTPRequestHandler):
     """A fault on purpose: forwards to the real retriever (``server.upstream``), but answers /retrieve with
