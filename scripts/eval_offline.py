@@ -3,6 +3,7 @@
     python scripts/eval_offline.py --num_samples 32 --output_dir runs/eval_cpu            # 2-core CPU, ~20 min
     python scripts/eval_offline.py --checkpoints <base> <trained> --corpus full ...       # more checkpoints, GPU
     python scripts/eval_offline.py ... --generator transformers --max_concurrency 256     # in-process, no vLLM
+    python scripts/eval_offline.py ... --index_path runs/eval_cpu/data/index.faiss      # the index of an earlier run
 
 Samples the SQuAD-open dev questions exactly as ``searchr1-eval`` does (seeded, across articles), indexes a corpus
 slice that holds every sampled question's article plus ``--distractors`` Wikipedia leads (the whole 31k-passage
