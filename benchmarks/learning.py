@@ -220,19 +220,18 @@ def variant_table(table: dict, baseline: str | None = None) -> str:
     mean ``train_runtime`` and, where a ``baseline`` variant is named, the speedup over it ("-" otherwise). Rows as
     printed: tests/test_learning_report.py."""
     reference = table[baseline]["train_runtime_s"]["mean"] if baseline in table else None
-    spread = _spread_text
     lines = ["| variant | flags | sample | seeds | warm start | EM last step | EM chosen | gain, last step | "
              "gain, chosen | gain, step all seeds reached | train_runtime s | speedup |", "| --- " * 12 + "|"]
     for variant, row in table.items():
         runtime = row["train_runtime_s"]["mean"]
         speedup = f"{reference / runtime:.2f}x" if reference and runtime else "-"
         common = "-" if row["common_step"] is None else (
-            f"{spread(row['gain_common'], '+')} to EM {row['em_common']['mean']:.3f} at step {row['common_step']}, "
-            f"seeds {' '.join(map(str, row['common_seeds']))}")
+            f"{_spread_text(row['gain_common'], '+')} to EM {row['em_common']['mean']:.3f} at step "
+            f"{row['common_step']}, seeds {' '.join(map(str, row['common_seeds']))}")
+        figures = [_spread_text(row[key]) for key in ("warm_start", "last", "chosen")]
+        figures += [_spread_text(row[key], "+") for key in ("gain_last", "gain_chosen")]
         lines.append(f"| {variant} | `{row['flags']}` | {row['sample']} | {' '.join(map(str, row['seeds']))} | "
-                     f"{spread(row['warm_start'])} | {spread(row['last'])} | {spread(row['chosen'])} | "
-                     f"{spread(row['gain_last'], '+')} | {spread(row['gain_chosen'], '+')} | {common} | "
-                     f"{'-' if runtime is None else f'{runtime:.1f}'} | {speedup} |")
+                     f"{' | '.join(figures)} | {common} | {'-' if runtime is None else f'{runtime:.1f}'} | {speedup} |")
     if baseline is not None and baseline not in table:  # e.g. the baseline's batch of seeds has not run yet
         lines.append(f"\nno speedup: the baseline variant {baseline!r} has no finished run here ({', '.join(table)})")
     return "\n".join(lines)
