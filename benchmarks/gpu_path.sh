@@ -37,10 +37,39 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 RUNS=${RUNS:-$HOME/runs}
 CACHE=${SEARCHR1_CACHE:-$HOME/.cache/searchr1_trl}
 MODEL=$CACHE/models/Qwen2.5-Coder-0.5B-Instruct
+SIBLING=$CACHE/models/Qwen2.5-Coder-1.5B-Instruct  # searchr1-assets --sibling; bundled with BUNDLE_SIBLING=1
 mkdir -p "$RUNS"
 
 EAGER=${EAGER:+--generator_enforce_eager}  # EAGER=1: no CUDA graphs in the jobs' vLLM servers
 LIGHT_SAVES="--save_only_model true --save_total_limit 1"  # runs side by side: full checkpoints would fill the disk
+
+# A learning batch's named variants: the recipe flags each lays over offline_gpu.
+variant_flags() {
+  case "$1" in
+    sync) echo "" ;;
+    async) echo "--async_rollouts true --max_staleness 1" ;;
+    pause) echo "--async_rollouts true --max_staleness 1 --in_flight_rollouts pause" ;;
+    sync_ipc) echo "--weight_sync ipc" ;;  # the push through CUDA IPC instead of tmpfs
+    async_ipc) echo "--async_rollouts true --max_staleness 1 --weight_sync ipc" ;;
+    top1) echo "--topk 1 --weight_sync ipc" ;;  # the levers, on the recipe as last measured (sync_ipc)
+    g16) echo "--num_generations 16 --weight_sync ipc" ;;
+    nosearch) echo "--no_search_penalty 0.1 --weight_sync ipc" ;;
+    q15) echo "--model $SIBLING --dtype bfloat16 --fp32_master_weights true --per_device_train_batch_size 2" \
+      "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
+    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, top1, g16 nosearch or q15" >&2; return 2 ;;
+  esac
+}
+
+# seeded_batch OUT "NAMES" [benchmarks.learning run flags]: 3 seeds of each named variant side by side, one table.
+seeded_batch() {
+  local out=$1 names=$2 name flags variants=()
+  shift 2
+  for name in $names; do
+    flags=$(variant_flags "$name") || exit 2
+    variants+=(--variant "$name=$LIGHT_SAVES $flags")
+  done
+  python3 -m benchmarks.learning run --out "$RUNS/$out" --seeds 0 1 2 ${EAGER:+--eager} "${variants[@]}" "$@"
+}
 
 case "${1:?step}" in
   sync_checks)
@@ -75,45 +104,18 @@ case "${1:?step}" in
       --retriever_port $((8100 + 10 * seed)) --generator_port $((8101 + 10 * seed)) $EAGER \
       --seed "$seed" --data_seed "$seed" "$@" ;;
   async_e2e)  # the modes given ("sync_ipc async_ipc") side by side, 3 seeds each: one table in $RUNS/async_e2e
-    modes=${2:?modes, e.g. "sync_ipc async_ipc"} gpu=${3:-0} variants=()
-    for mode in $modes; do
-      case "$mode" in
-        sync) flags="" ;;
-        async) flags="--async_rollouts true --max_staleness 1" ;;
-        pause) flags="--async_rollouts true --max_staleness 1 --in_flight_rollouts pause" ;;
-        sync_ipc) flags="--weight_sync ipc" ;;  # the push through CUDA IPC instead of tmpfs
-        async_ipc) flags="--async_rollouts true --max_staleness 1 --weight_sync ipc" ;;
-        *) echo "async_e2e: mode $mode; expected sync, async, pause, sync_ipc or async_ipc" >&2; exit 2 ;;
-      esac
-      variants+=(--variant "$mode=$LIGHT_SAVES $flags")
-    done
-    baseline=${modes%% *}
-    python3 -m benchmarks.learning run --out "$RUNS/async_e2e" --seeds 0 1 2 --gpu "$gpu" --baseline "$baseline" \
-      "${variants[@]}" ${EAGER:+--eager} ;;
+    modes=${2:?modes, e.g. "sync_ipc async_ipc"}
+    seeded_batch async_e2e "$modes" --gpu "${3:-0}" --baseline "${modes%% *}" ;;
   learning_sibling)  # ~43 GB a run: bf16 weights and reference, fp32 masters and Adam in the optimizer (as the Qwen3
     # recipes), micro-batches of 2, a 2 GiB KV cache. fp32 weights, as the 0.5B recipe, come to ~48 GB: three of those
     # leave under 5 GB of the H200's 139 GiB.
-    sibling=$CACHE/models/Qwen2.5-Coder-1.5B-Instruct
-    [ -d "$sibling" ] || { echo "no $sibling: searchr1-assets --sibling, bundle with BUNDLE_SIBLING=1" >&2; exit 2; }
-    python3 -m benchmarks.learning run --out "$RUNS/learning_sibling" --seeds 0 1 2 --kv_cache_gib 2 ${EAGER:+--eager} \
-      --variant "q15=--model $sibling --dtype bfloat16 --fp32_master_weights true --per_device_train_batch_size 2 \
-        --gradient_accumulation_steps 32 --weight_sync ipc $LIGHT_SAVES"
-    python3 scripts/eval_offline.py --checkpoints "$sibling" --corpus full --num_samples 500 --sample_offset 500 \
+    [ -d "$SIBLING" ] || { echo "no $SIBLING: searchr1-assets --sibling, bundle with BUNDLE_SIBLING=1" >&2; exit 2; }
+    seeded_batch learning_sibling q15 --kv_cache_gib 2
+    python3 scripts/eval_offline.py --checkpoints "$SIBLING" --corpus full --num_samples 500 --sample_offset 500 \
       --methods direct rag --generator transformers --max_concurrency 256 --retriever_port 8200 \
       --output_dir "$RUNS/eval_sibling_report" ;;
   learning_levers)  # levers not yet run on the 0.5B (docs/results/learning.md), the recipe's other flags as committed
-    variants=()
-    for lever in ${2:-top1 g16}; do
-      case "$lever" in
-        top1) flags="--topk 1" ;;
-        g16) flags="--num_generations 16" ;;
-        nosearch) flags="--no_search_penalty 0.1" ;;
-        *) echo "learning_levers: lever $lever; expected top1, g16 or nosearch" >&2; exit 2 ;;
-      esac
-      variants+=(--variant "$lever=$flags --weight_sync ipc $LIGHT_SAVES")
-    done
-    python3 -m benchmarks.learning run --out "$RUNS/learning_levers" --seeds 0 1 2 --kv_cache_gib 2 ${EAGER:+--eager} \
-      "${variants[@]}" ;;
+    seeded_batch learning_levers "${2:-top1 g16}" --kv_cache_gib 2 ;;
   eval_table)  # the retriever on that GPU's host, each checkpoint in-process on that GPU
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \
