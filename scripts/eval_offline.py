@@ -74,8 +74,8 @@ def main() -> None:
         corpus = str(out / "data" / "corpus.jsonl")
         passages = corpus_slice(assets.corpus, titles, args.distractors, Path(corpus))
         logger.info("corpus slice: %d passages (%d articles + leads)", passages, len(titles))
-    index = Path(args.index_path) if args.index_path else out / "data" / "index.faiss"
-    if not args.index_path:
+    index = Path(args.index_path or out / "data" / "index.faiss")
+    if not args.index_path:  # else the retriever checks that the index was built from this corpus
         subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", corpus,
                         "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)
     with RetrieverProcess(index_path=str(index), corpus_path=corpus, retriever_model=assets.embedder,
