@@ -57,7 +57,7 @@ variant_flags() {
     nosearch) echo "--no_search_penalty 0.1 --weight_sync ipc" ;;
     q15) echo "--model $SIBLING --dtype bfloat16 --fp32_master_weights true --per_device_train_batch_size 2" \
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
-    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, top1, g16 nosearch or q15" >&2; return 2 ;;
+    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, top1, g16, nosearch or q15" >&2; return 2 ;;
   esac
 }
 
