@@ -19,8 +19,8 @@
 #                                              # with compiled layers (policy_update_0_5b.jsonl)
 #   bash benchmarks/gpu_path.sh trainer_compile  # one GPU, ~5 min: 12 GRPO steps eager, compile_layers, padding_free, both
 #   bash benchmarks/gpu_path.sh rollouts_wiki   # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
-#   bash benchmarks/gpu_path.sh learning_sibling  # one GPU, ~18 min: the recipe on the 1.5B sibling, 3 seeds side by
-#                                              # side (bundle with BUNDLE_SIBLING=1)
+#   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
+#                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
 #   bash benchmarks/gpu_path.sh eval_sibling   # one GPU: that model's closed-book and RAG on the report sample (the
 #                                              # bar: its RAG + 0.10; 0.438 measured on CPU)
 #   bash benchmarks/gpu_path.sh learning_levers ["<levers>"]  # one GPU, ~20 min: the recipe with each lever of
@@ -107,11 +107,13 @@ case "${1:?step}" in
   async_e2e)  # the modes given ("sync_ipc async_ipc") side by side, 3 seeds each: one table in $RUNS/async_e2e
     modes=${2:?modes, e.g. "sync_ipc async_ipc"}
     seeded_batch async_e2e "$modes" --gpu "${3:-0}" --baseline "${modes%% *}" ;;
-  learning_sibling)  # ~43 GB a run by arithmetic, 98.6 GB for the three measured: bf16 weights and reference, fp32
-    # masters and Adam in the optimizer (as the Qwen3 recipes), micro-batches of 2, a 2 GiB KV cache. fp32 weights, as
-    # the 0.5B recipe, come to ~48 GB: three of those leave under 5 GB of the H200's 139 GiB.
+  learning_sibling)  # a run holds ~48 GB: its trainer ~38 (bf16 weights and reference, fp32 masters and Adam,
+    # micro-batches of 2), its vLLM server ~8 with a 2 GiB KV cache, its retriever ~1.5. Three side by side ran out of
+    # the H200's 139.8 GiB at the third's first optimizer step (docs/results/learning.md), so seeds come two at a time.
+    seeds=${2:?seeds, two at most: "0 2", then "1"}
+    [ "$(wc -w <<< "$seeds")" -le 2 ] || { echo "learning_sibling: $seeds; two seeds at most fit one H200" >&2; exit 2; }
     [ -d "$SIBLING" ] || { echo "no $SIBLING: searchr1-assets --sibling, bundle with BUNDLE_SIBLING=1" >&2; exit 2; }
-    seeded_batch learning_sibling q15 --kv_cache_gib 2 ;;
+    seeded_batch learning_sibling q15 --kv_cache_gib 2 --seeds $seeds ;;
   eval_sibling)  # apart from the batch: upload, setup and the batch take ~26 of a session's 30 device minutes
     python3 scripts/eval_offline.py --checkpoints "$SIBLING" --corpus full --num_samples 500 --sample_offset 500 \
       --methods direct rag --generator transformers --max_concurrency 256 --retriever_port 8200 \
