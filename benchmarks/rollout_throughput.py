@@ -27,6 +27,11 @@ Nothing assumes a CPU: on a CUDA machine the vLLM server runs on the GPU with it
 picks which), and (b)'s model goes to the GPU. (c) skips the NCCL weight-transfer handshake GRPOTrainer performs in
 server mode (no weights change while generating, and on CPU it cannot run) and keeps its unused policy on the CPU;
 nothing else in TRL's generation path is altered.
+
+Each row also splits a search request's time (:func:`search_split`): its latency at the client, at the retrieval
+server (its ``/metrics`` counters before and after the run) and the server's batch time within that, queries per
+batch, and for (a)/(b) how late the engine's event loop runs a ready coroutine. At wiki-18 scale the engine's client
+saw 0.38-1.89 s a request where a batch's scan costs tens of ms; these say which side the rest is on.
 """
 
 from __future__ import annotations
@@ -40,13 +45,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from benchmarks.report import report
 from retriever_server.launch import RetrieverProcess
+from retriever_server.metrics import parse_prometheus
 from searchr1_trl.assets import require
 from searchr1_trl.engine.generation import (
     SamplingParams,
@@ -72,9 +78,10 @@ class Result:
     turns: int
     searches: int
     seconds: float
+    searching: dict = field(default_factory=dict)  # where a search's time goes (:func:`search_split`)
 
     def row(self) -> dict:
-        return {
+        return {**self.searching,
             "backend": self.backend, "rollouts": self.rollouts, "seconds": round(self.seconds, 2),
             "rollouts_per_s": round(self.rollouts / self.seconds, 4),
             "generated_tokens_per_s": round(self.generated_tokens / self.seconds, 1),
@@ -87,7 +94,12 @@ class Result:
         r = self.row()
         return (f"{self.backend:<34} {r['rollouts_per_s']:8.3f} rollouts/s {r['generated_tokens_per_s']:9.1f} tokens/s"
                 f" {r['turns_per_rollout']:5.2f} turns {r['searches_per_rollout']:5.2f} searches per rollout"
-                f"   ({self.rollouts} rollouts, {self.generated_tokens} tokens, {self.seconds:.1f} s)")
+                f"   ({self.rollouts} rollouts, {self.generated_tokens} tokens, {self.seconds:.1f} s)"
+                + ("" if not self.searching else "\n    a search request: {client_request_latency_ms} ms at the client "
+                   "({client_requests} requests), {server_request_latency_ms} ms in the server ({server_requests}), "
+                   "{server_batch_ms} ms a batch of {server_queries_per_batch} queries".format(**self.searching)
+                   + ("" if self.searching["client_loop_lag_ms"] is None else
+                      f"; the client loop's lag (ms) {self.searching['client_loop_lag_ms']}")))
 
 
 def workload(assets, num_questions: int, work: Path) -> tuple[list[SearchR1Sample], Path]:
@@ -110,21 +122,70 @@ def engine_run(tokenizer, generator, search_url: str, samples, params, rollout_c
     engine = RolloutEngine(tokenizer, generator, env, rollout_config)
 
     async def main():
+        lags: list[float] = []
+        probe = asyncio.get_running_loop().create_task(loop_lag(lags))
         try:
             start = time.perf_counter()
             rollouts = await engine.run(samples, params)
-            return rollouts, time.perf_counter() - start
+            return rollouts, time.perf_counter() - start, lags
         finally:
+            probe.cancel()
             await generator.aclose()
             await env.aclose()
 
-    rollouts, seconds = asyncio.run(main())
+    server_before = retriever_counts(search_url)
+    rollouts, seconds, lags = asyncio.run(main())
     statuses = {}
     for r in rollouts:
         statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
-    print(f"  statuses: {statuses}; env metrics: {env.metrics()}", flush=True)
+    client = env.metrics()
+    print(f"  statuses: {statuses}; env metrics: {client}", flush=True)
     return Result("", len(rollouts), sum(sum(r.env_mask) for r in rollouts), sum(r.num_turns for r in rollouts),
-                  sum(r.num_tool_calls for r in rollouts), seconds)
+                  sum(r.num_tool_calls for r in rollouts), seconds,
+                  search_split(client, server_before, retriever_counts(search_url), lags))
+
+
+LAG_PROBE_S = 0.005
+
+
+async def loop_lag(lags: list[float]) -> None:
+    """Append, every ``LAG_PROBE_S``, how late the event loop woke this task: the time a coroutine that is ready
+    (a search whose answer has arrived) waits for the loop to run it."""
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time()
+        await asyncio.sleep(LAG_PROBE_S)
+        lags.append(loop.time() - asked - LAG_PROBE_S)
+
+
+def retriever_counts(search_url: str) -> dict[str, float]:
+    """The retrieval server's cumulative counters (``GET /metrics``)."""
+    import httpx
+
+    text = httpx.get(search_url.rsplit("/", 1)[0] + "/metrics", timeout=60).raise_for_status().text
+    return parse_prometheus(text)
+
+
+def search_split(client: dict, before: dict, after: dict, lags: list[float] | None = None) -> dict:
+    """Where one run's search time went: the client's mean request latency (from sending to the answer read, as the
+    rollouts' loop saw it), the server's (body read to response built, and the encode + search + lookup of a batch
+    within it: the rest of the server's is its queue) over the same run, queries per batch, and the client loop's
+    lag (:func:`loop_lag`; None where the loop is not ours). Client minus server latency is HTTP plus the client's
+    loop being busy elsewhere."""
+    delta = {key: after[key] - before.get(key, 0.0) for key in
+             ("requests_total", "queries_total", "batches_total", "request_seconds_total", "batch_seconds_total")}
+    requests, batches = delta["requests_total"], delta["batches_total"]
+    lag = sorted(lags or [])
+    return {
+        "client_requests": client["search/requests"],
+        "client_request_latency_ms": round(client["search/request_latency_s"] * 1e3, 2),
+        "server_requests": int(requests),
+        "server_request_latency_ms": round(delta["request_seconds_total"] / requests * 1e3, 2) if requests else None,
+        "server_batch_ms": round(delta["batch_seconds_total"] / batches * 1e3, 2) if batches else None,
+        "server_queries_per_batch": round(delta["queries_total"] / batches, 2) if batches else None,
+        "client_loop_lag_ms": {"mean": round(sum(lag) / len(lag) * 1e3, 2), "p90": round(lag[int(0.9 * (len(lag) - 1))]
+                               * 1e3, 2), "max": round(lag[-1] * 1e3, 2)} if lag else None,
+    }
 
 
 def tokenizer_with_our_parser(model_path: str, bare_json_tool_calls: bool):
@@ -190,13 +251,16 @@ def trl_tool_loop(model_path: str, base_url: str, search_url: str, samples, args
     # What GRPOTrainer._generate_and_score_completions builds before calling _generate (TRL 1.16): per-rollout tools.
     trainer._sync_tool_dicts = [{} for _ in prompts]
     trainer._async_tool_dicts = [{"search": search} for _ in prompts]
+    server_before = retriever_counts(search_url)
     start = time.perf_counter()
     _, completion_ids, tool_mask, completions, *_ = trainer._generate(prompts)
     seconds = time.perf_counter() - start
     assistant = [m for c in completions for m in c if m.get("role") == "assistant"]
-    print(f"  retrieval metrics: {retrieval.metrics()}", flush=True)
+    client = retrieval.metrics()
+    print(f"  retrieval metrics: {client}", flush=True)
     return Result("", len(completion_ids), sum(sum(m) for m in tool_mask), len(assistant),
-                  sum(len(m.get("tool_calls") or []) for m in assistant), seconds)
+                  sum(len(m.get("tool_calls") or []) for m in assistant), seconds,
+                  search_split(client, server_before, retriever_counts(search_url)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -207,6 +207,8 @@ def test_with_batching_off_each_request_is_its_own_batch(unbatched_base_url):
     # Each batch's search time is measured in the search thread: never more than its request's whole latency.
     assert stats["batch_seconds_recent_count"] == 4
     assert 0 < stats['batch_seconds_recent{quantile="0.5"}'] <= stats['latency_seconds_recent{quantile="0.99"}']
+    # The sums since start, which a client differences for its own run's means: the same bound, summed.
+    assert 0 < stats["batch_seconds_total"] <= stats["request_seconds_total"]
 
 
 def test_a_full_queue_answers_503_and_recovers(unbatched_base_url):

@@ -35,3 +35,41 @@ def test_trl_reads_an_answer_as_an_answer_through_our_parser(offline_assets, tok
     ids = tokenizer("Denver Broncos<|im_end|>", add_special_tokens=False)["input_ids"]
     ours = tokenizer_with_our_parser(offline_assets.model, bare_json_tool_calls=True)
     assert parse_response(ours, ids, prefix=prefix) == {"role": "assistant", "content": "Denver Broncos"}
+
+
+def test_search_split_takes_the_servers_counters_over_one_run_only():
+    from benchmarks.rollout_throughput import search_split
+
+    client = {"search/requests": 10, "search/request_latency_s": 0.5}
+    before = {"requests_total": 100, "queries_total": 400, "batches_total": 50, "request_seconds_total": 99.0,
+              "batch_seconds_total": 9.0}
+    after = {"requests_total": 110, "queries_total": 440, "batches_total": 54, "request_seconds_total": 100.0,
+             "batch_seconds_total": 9.2}
+
+    split = search_split(client, before, after, lags=[0.001, 0.002, 0.003, 0.2])
+
+    assert split["client_request_latency_ms"] == 500.0 and split["client_requests"] == 10
+    # The run's own 10 requests and 4 batches, not the server's lifetime averages (0.91 s, 0.18 s).
+    assert split["server_requests"] == 10 and split["server_request_latency_ms"] == 100.0
+    assert split["server_batch_ms"] == 50.0 and split["server_queries_per_batch"] == 10.0
+    assert split["client_loop_lag_ms"] == {"mean": 51.5, "p90": 3.0, "max": 200.0}
+    assert search_split(client, before, before)["server_request_latency_ms"] is None  # a run without searches
+
+
+def test_loop_lag_sees_a_loop_held_by_blocking_work():
+    import asyncio
+    import time
+
+    from benchmarks.rollout_throughput import loop_lag
+
+    async def main():
+        lags: list[float] = []
+        probe = asyncio.get_running_loop().create_task(loop_lag(lags))
+        await asyncio.sleep(0.05)
+        time.sleep(0.1)  # CPU work on the loop, as a burst of rollout turns is
+        await asyncio.sleep(0.05)
+        probe.cancel()
+        return lags
+
+    lags = asyncio.run(main())
+    assert max(lags) >= 0.09 and min(lags) < 0.05
