@@ -11,7 +11,9 @@ same script behind a fake ``/v1/completions`` server (also its own process; it a
 prompt ids and per-token logprobs included) to add ``VLLMServerGenerator``'s request path.
 
 The figure is the benchmark process's CPU time (all its threads) divided by the rollout-turns of the run; wall time
-is printed too, but on a small machine it includes the retriever's and fake server's share of the cores.
+is printed too, but on a small machine it includes the retriever's and fake server's share of the cores. Each row
+also splits a search request's time between the client, the server and the engine's busy event loop
+(``rollout_throughput.search_split``).
 ``--profile`` adds a cProfile breakdown of one more run (per rollout-turn, inflated by the profiler):
 
     python -m benchmarks.engine_overhead --num_rollouts 512 --generator instant http --profile \
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 
 from benchmarks.report import report
-from benchmarks.rollout_throughput import workload
+from benchmarks.rollout_throughput import loop_lag, retriever_counts, search_split, workload
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import require
 from searchr1_trl.engine.generation import Generation, Generator, SamplingParams, VLLMServerGenerator
@@ -133,23 +135,30 @@ def wait_for_port(port: int, timeout_s: float = 120.0) -> None:
     raise RuntimeError(f"the fake vLLM server did not listen on port {port} within {timeout_s} s")
 
 
-def run_once(engine: RolloutEngine, samples, params: SamplingParams, profile: cProfile.Profile | None = None):
-    """(rollouts, wall s, CPU s of this process) of one engine.run."""
+def run_once(engine: RolloutEngine, samples, params: SamplingParams, search_url: str,
+             profile: cProfile.Profile | None = None):
+    """(rollouts, wall s, CPU s of this process, where the searches' time went: :func:`search_split`) of one
+    engine.run."""
 
     async def main():
+        lags: list[float] = []
+        probe = asyncio.get_running_loop().create_task(loop_lag(lags))
         try:
-            return await engine.run(samples, params)
+            return await engine.run(samples, params), lags
         finally:
+            probe.cancel()
             await engine.generator.aclose()
             await engine.envs.aclose()
 
+    server_before = retriever_counts(search_url)
     wall, cpu = time.perf_counter(), time.process_time()
     if profile:
         profile.enable()
-    rollouts = asyncio.run(main())
+    rollouts, lags = asyncio.run(main())
     if profile:
         profile.disable()
-    return rollouts, time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return rollouts, wall, cpu, search_split(engine.envs.metrics(), server_before, retriever_counts(search_url), lags)
 
 
 # Where a rollout-turn's time goes: cumulative time of these functions (file suffix, name) in the profile.
@@ -224,17 +233,18 @@ def main(argv: list[str] | None = None) -> None:
                             search_url=retriever.url)), rollout_config)
 
                     for repeat in range(args.repeats + 1):
-                        rollouts, wall, cpu = run_once(engine(), samples, params)
+                        rollouts, wall, cpu, searching = run_once(engine(), samples, params, retriever.url)
                         if repeat == 0:
                             continue  # warm-up: the retriever's and the fake server's first requests
                         turns = sum(r.num_turns for r in rollouts)
                         report({"label": args.label, "generator": name, "rollouts": len(rollouts), "turns": turns,
                                 "searches": sum(r.num_tool_calls for r in rollouts),
                                 "cpu_us_per_turn": round(cpu / turns * 1e6), "wall_us_per_turn":
-                                round(wall / turns * 1e6), "cpu_s": round(cpu, 3), "wall_s": round(wall, 3)}, args.out)
+                                round(wall / turns * 1e6), "cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
+                                **searching}, args.out)
                     if args.profile:
                         profile = cProfile.Profile()
-                        rollouts, *_ = run_once(engine(), samples, params, profile)
+                        rollouts, *_ = run_once(engine(), samples, params, retriever.url, profile)
                         turns = sum(r.num_turns for r in rollouts)
                         if args.profile_dump:
                             profile.dump_stats(f"{args.profile_dump}.{name}")

@@ -303,6 +303,18 @@ def test_a_slow_env_step_does_not_hold_back_other_rollouts(tokenizer):
     assert [m.get("content") for m in env.stepped if not m.get("tool_calls")] == ["B", "A"]
 
 
+def test_a_search_the_rollouts_share_is_tokenized_once_and_read_alike(tokenizer):
+    script = {"a": [call("x"), "A<|im_end|>"], "b": [call("x"), "B<|im_end|>"]}
+    engine = RolloutEngine(tokenizer, ScriptedGenerator(tokenizer, script), LookupEnvs(), RolloutConfig())
+
+    a, b = asyncio.run(engine.run(["a", "b"], SamplingParams()))
+
+    # Two prompts, then one environment suffix for both (a GRPO group's rollouts mostly make the same search).
+    assert (engine._encode_text.cache_info().misses, engine._encode_text.cache_info().hits) == (2 + 1, 1)
+    assert runs(a, 0)[0] == runs(b, 0)[0] and "result for x" in tokenizer.decode(runs(a, 0)[0])
+    assert a.status is b.status is RolloutStatus.DONE and tokenizer.decode(runs(b, 1)[-1]) == "B<|im_end|>"
+
+
 def test_each_rollout_gets_an_env_of_its_own_reset_with_its_sample(tokenizer):
     [a, b], _, envs = roll(tokenizer, {"a": [call("x"), "A<|im_end|>"], "b": ["B<|im_end|>"]})
 

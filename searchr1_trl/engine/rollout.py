@@ -195,8 +195,10 @@ class RolloutEngine:
         self._parse = response_parser(tokenizer, envs.tools, bare_json_tool_calls=self.config.bare_json_tool_calls)
         self._split_at = _split_tokens(tokenizer)
         self._text_cut = _tokenizes_alone(tokenizer, self._split_at)
-        self._encode_prompt = functools.lru_cache(maxsize=1024)(
-            functools.partial(tokenizer.encode, add_special_tokens=False))
+        # Texts recur across a GRPO group: its rollouts start from one prompt, and most make the same search, so
+        # their environment suffixes (passages and template glue) are one text too.
+        self._encode_text = functools.lru_cache(maxsize=1024)(
+            lambda text: tuple(tokenizer.encode(text, add_special_tokens=False)))
 
     async def run(self, samples: list, params: SamplingParams) -> list[Rollout]:
         """Roll out every sample concurrently; results in input order.
@@ -293,7 +295,7 @@ class RolloutEngine:
     def _initial_prompt(self, messages: list[dict]) -> list[int]:
         """``render(messages, add_generation_prompt=True)``, its text tokenized once: the rollouts of a GRPO group
         start from one prompt."""
-        return list(self._encode_prompt(self._render_text(messages, add_generation_prompt=True)))
+        return list(self._encode_text(self._render_text(messages, add_generation_prompt=True)))
 
     def _env_suffix(self, messages: list[dict], env_messages: list[dict], generated_ids: list[int]) -> list[int]:
         """Tokens to append after the model's turn: template glue, ``env_messages`` and the next generation prompt.
@@ -313,7 +315,7 @@ class RolloutEngine:
         if self._text_cut and stop_text is not None and (eos is None or eos_text is not None):
             before = self._render_text(messages, add_generation_prompt=False)
             after = self._render_text(messages + env_messages, add_generation_prompt=True)
-            return self.tokenizer.encode(_after_turn(before, after, stop_text, eos_text), add_special_tokens=False)
+            return list(self._encode_text(_after_turn(before, after, stop_text, eos_text)))
         before = self.render(messages, add_generation_prompt=False)
         after = self.render(messages + env_messages, add_generation_prompt=True)
         return _after_turn(before, after, stop, eos)
