@@ -25,8 +25,9 @@
 #                                              # bar: its RAG + 0.10; 0.438 measured on CPU)
 #   bash benchmarks/gpu_path.sh learning_levers ["<levers>"]  # one GPU, ~20 min: the recipe with each lever of
 #                                              # top1 (top-1 retrieval), g16 (16 rollouts per question), nosearch (a
-#                                              # no-search penalty of 0.1); default "top1 g16": 3 seeds each side by
-#                                              # side (two levers, six runs, fill one H200)
+#                                              # no-search penalty of 0.1), clip20 (symmetric clipping), warmup10 (10
+#                                              # warmup steps); default "top1 g16": 3 seeds each side by side (two
+#                                              # levers, six runs, fill one H200)
 #   bash benchmarks/gpu_path.sh async_e2e "<modes>" [gpu]  # offline_gpu, 3 seeds of each mode side by side; modes
 #                                              # of sync, async, async pausing in-flight rollouts for a push (pause),
 #                                              # sync_ipc, async_ipc (the push through CUDA IPC): one table in
@@ -55,9 +56,12 @@ variant_flags() {
     top1) echo "--topk 1 --weight_sync ipc" ;;  # the levers, on the recipe as last measured (sync_ipc)
     g16) echo "--num_generations 16 --weight_sync ipc" ;;
     nosearch) echo "--no_search_penalty 0.1 --weight_sync ipc" ;;
+    clip20) echo "--epsilon_high 0.2 --weight_sync ipc" ;;  # symmetric clipping: what DAPO's clip-higher (0.28) adds
+    warmup10) echo "--warmup_steps 10 --weight_sync ipc" ;;  # 10 warmup steps instead of 2
     q15) echo "--model $SIBLING --dtype bfloat16 --fp32_master_weights true --per_device_train_batch_size 2" \
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
-    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, top1, g16, nosearch or q15" >&2; return 2 ;;
+    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, top1, g16, nosearch, clip20, warmup10 or q15" >&2
+       return 2 ;;
   esac
 }
 
