@@ -34,6 +34,7 @@ def mix(config: str, search_url: str, topk: int, num_traces: int, seed: int, ove
         "first_search_holds_gold": round((len(kept) - twice) / len(rollouts), 4),
         "second_search_rescues": round(twice / len(rollouts), 4), "kept": len(kept), "kept_with_two_searches": twice,
         "left_out": round(1 - len(kept) / len(rollouts), 4),
+        **({"overrides": " ".join(overrides)} if overrides else {}),
     }
 
 

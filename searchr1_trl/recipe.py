@@ -191,6 +191,7 @@ class SearchR1Config(GRPOConfig):
     search_max_response_bytes: int = knob("env", "max_response_bytes")
     search_max_passage_chars: int = knob("env", "max_passage_chars")
     restate_question: bool = knob("env", "restate_question")
+    exclude_seen_passages: bool = knob("env", "exclude_seen_passages")
     max_failed_search_fraction: float = field(
         default=0.5,
         metadata={"help": "Training stops (one line, the last checkpoint kept) when more than this fraction of a "

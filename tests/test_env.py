@@ -25,7 +25,7 @@ from searchr1_trl.search_r1.env import (
     SearchR1EnvConfig,
     SearchR1EnvFactory,
 )
-from searchr1_trl.search_r1.retrieval import RetrievalClient, _passages_to_string
+from searchr1_trl.search_r1.retrieval import RetrievalClient, passages_text
 from tests.conftest import serve_fake
 
 SAMPLE = SearchR1Sample(question="Where is the Eiffel Tower?", golden_answers=("Paris",))
@@ -163,7 +163,7 @@ def test_the_chat_template_renders_tool_calls_and_search_results(tokenizer):
 def test_passages_are_formatted_one_doc_per_line_with_their_title():
     docs = [{"contents": "Eiffel Tower\nA tower in Paris."}, {"contents": "Paris\nCapital of France.\nOn the Seine."}]
 
-    assert _passages_to_string(docs) == (
+    assert passages_text(docs) == (
         "Doc 1(Title: Eiffel Tower) A tower in Paris.\nDoc 2(Title: Paris) Capital of France.\nOn the Seine."
     )
 
@@ -412,3 +412,23 @@ def test_the_restatement_is_the_envs_own_question_never_one_read_from_the_prompt
     result = asyncio.run(env.step([elsewhere, assistant(search_call({"query": "a"}))]))
 
     assert result.messages[0]["content"] == f"{fake_passages('a')}\n\n{RESTATEMENT.format(question=SAMPLE.question)}"
+
+
+def test_searching_again_pages_on_when_seen_passages_are_excluded(retriever_url):
+    call = assistant(search_call({"query": "Super Bowl 50"}))
+
+    async def search_twice(exclude: bool) -> list[set[str]]:
+        envs = SearchR1EnvFactory(SearchR1EnvConfig(search_url=retriever_url, topk=2, exclude_seen_passages=exclude))
+        env = envs()
+        messages = [*env.reset(SAMPLE), call]
+        first = await env.step(messages)
+        second = await env.step([*messages, *first.messages, call])
+        await envs.aclose()
+        # Each passage without its "Doc <n>" number, which restarts in every result.
+        return [{line.split("(Title: ", 1)[1] for line in step.messages[0]["content"].splitlines()}
+                for step in (first, second)]
+
+    paged, repeated = asyncio.run(search_twice(True)), asyncio.run(search_twice(False))
+
+    assert repeated[0] == repeated[1] == paged[0] and len(paged[0]) == 2  # the seed's behaviour, and page one
+    assert len(paged[1]) == 2 and not paged[0] & paged[1]  # the next two passages, none shown before

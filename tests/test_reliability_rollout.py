@@ -105,11 +105,11 @@ class InProcessEnv(SearchR1EnvFactory):
     def __init__(self):
         super().__init__(SearchR1EnvConfig())
 
-        async def search(query: str) -> str:
+        async def search_passages(query: str, skip=()) -> list[dict]:
             json.dumps(query, ensure_ascii=False).encode()  # what the HTTP client would send: raises on no text
-            return f"Doc 1(Title: T) about {query}"
+            return [{"contents": f"T\nabout {query}"}]  # read as "Doc 1(Title: T) about <query>"
 
-        self.retrieval.search = search
+        self.retrieval.search_passages = search_passages
 
 
 escape = st.sampled_from(["\\ud800", "\\udfff", "\\ud83d\\ude00", "\\u0000", "\\n", '\\"', "\\\\", "\\x", "\\u12"])

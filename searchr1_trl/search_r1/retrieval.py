@@ -22,6 +22,7 @@ import logging
 import re
 import time
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,11 +80,13 @@ def is_text(text: str) -> bool:
     return True
 
 
-def _passages_to_string(docs: list[dict], max_chars: int | None = None) -> str:
-    """The passages as the model reads them, one per line, each cut at ``max_chars``.
+def passages_text(docs: list[dict] | None, max_chars: int | None = None) -> str:
+    """The passages as the model reads them, one per line, each cut at ``max_chars``; "" for None (a failed search).
 
     ``[{"contents": "Eiffel Tower\\nA tower in Paris."}]`` -> ``"Doc 1(Title: Eiffel Tower) A tower in Paris."``
     """
+    if docs is None:
+        return ""
     lines = []
     for number, doc in enumerate(docs, start=1):
         title, _, text = valid_text(doc["contents"][:max_chars]).partition("\n")
@@ -152,7 +155,7 @@ class RetrievalClient:
         self.config = config
         self._http: httpx.AsyncClient | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
-        self._pending: list[tuple[str, asyncio.Future[str]]] = []
+        self._pending: list[tuple[str, int, asyncio.Future[list[dict] | None]]] = []
         self._requests_in_flight: set[asyncio.Task] = set()
         self._counts: Counter[str] = Counter()
 
@@ -162,29 +165,39 @@ class RetrievalClient:
 
         TypeError for a query that is not a str (a tool loop passing the model's arguments through unchecked): it
         would otherwise fail the whole batch it joins."""
+        return passages_text(await self.search_passages(query), self.config.max_passage_chars)
+
+    async def search_passages(self, query: str, skip: Collection[str] = ()) -> list[dict] | None:
+        """The top ``topk`` passages for ``query`` whose ``contents`` are not in ``skip`` (those a rollout was shown
+        already: the server is asked for ``topk + len(skip)``, so the next ones take their places); None if
+        retrieval failed. TypeError for a query that is not a str, as :meth:`search`."""
         if not isinstance(query, str):
             raise TypeError(f"search query must be a str, got {type(query).__name__}: {query!r:.200}")
         loop = asyncio.get_running_loop()
         if not self._pending:
             # Flush on the next loop iteration, after every search issued in this one has joined the batch.
             loop.call_soon(self._flush)
-        future: asyncio.Future[str] = loop.create_future()
-        self._pending.append((query, future))
+        future: asyncio.Future[list[dict] | None] = loop.create_future()
+        self._pending.append((query, self.config.topk + len(skip), future))
         self._counts["searches"] += 1
-        return await future
+        docs = await future
+        return None if docs is None else [d for d in docs if d["contents"] not in skip][:self.config.topk]
 
     def _flush(self) -> None:
-        """Send every pending search as one request."""
+        """Send the pending searches as one request per depth (``topk``, or more where passages are skipped)."""
         batch, self._pending = self._pending, []
-        task = asyncio.get_running_loop().create_task(self._answer(batch))
-        self._requests_in_flight.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._requests_in_flight.discard)
+        for depth in dict.fromkeys(depth for _, depth, _ in batch):
+            task = asyncio.get_running_loop().create_task(
+                self._answer(depth, [(query, future) for query, d, future in batch if d == depth]))
+            self._requests_in_flight.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._requests_in_flight.discard)
 
-    async def _answer(self, batch: list[tuple[str, asyncio.Future[str]]]) -> None:
-        """Retrieve for a batch and resolve each search's future; identical queries are retrieved once."""
+    async def _answer(self, depth: int, batch: list[tuple[str, asyncio.Future[list[dict] | None]]]) -> None:
+        """Retrieve ``depth`` passages for a batch and resolve each search's future; identical queries are
+        retrieved once."""
         try:
             queries = list(dict.fromkeys(query for query, _ in batch))
-            results = await self._retrieve(queries)
+            results = await self._retrieve(queries, depth)
         except Exception as error:  # a bug, not a retrieval failure: surface it in the rollouts instead of hanging them
             for _, future in batch:
                 if not future.done():
@@ -192,17 +205,17 @@ class RetrievalClient:
             raise
         if results is None:
             self._counts["failures"] += len(batch)
-            results = [""] * len(queries)
+            results = [None] * len(queries)
         by_query = dict(zip(queries, results, strict=True))
         for query, future in batch:
             if not future.done():  # done when the rollout waiting for it was cancelled
                 future.set_result(by_query[query])
 
-    async def _retrieve(self, queries: list[str]) -> list[str] | None:
-        """Formatted passages for each query, or None once every attempt has failed."""
+    async def _retrieve(self, queries: list[str], depth: int) -> list[list[dict]] | None:
+        """The top ``depth`` passages of each query, or None once every attempt has failed."""
         # Encoded here, not by httpx: a query that is no valid text (a lone surrogate) would make httpx raise for
         # the whole batch; valid_text makes it searchable as it would read.
-        body = json.dumps({"queries": [valid_text(q) for q in queries], "topk": self.config.topk,
+        body = json.dumps({"queries": [valid_text(q) for q in queries], "topk": depth,
                            "return_scores": False}, ensure_ascii=False).encode()
         http = self._client()
         loop = asyncio.get_running_loop()
@@ -220,8 +233,7 @@ class RetrievalClient:
             start = time.perf_counter()
             try:
                 async with asyncio.timeout(min(self.config.timeout_s, deadline - loop.time())):
-                    docs = _passages_per_query(json.loads(await self._post(http, body)), len(queries))
-                return [_passages_to_string(d, self.config.max_passage_chars) for d in docs]
+                    return _passages_per_query(json.loads(await self._post(http, body)), len(queries))
             # ValueError: body is not JSON, has another shape or is too large; TimeoutError: timeout_s or deadline_s
             except (httpx.HTTPError, CannotSearch, ValueError, TimeoutError) as error:
                 last_error = error
