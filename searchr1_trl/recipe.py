@@ -190,6 +190,8 @@ class SearchR1Config(GRPOConfig):
     search_deadline_s: float = knob("env", "deadline_s")
     search_max_response_bytes: int = knob("env", "max_response_bytes")
     search_max_passage_chars: int = knob("env", "max_passage_chars")
+    search_max_request_queries: int = knob("env", "max_request_queries")
+    search_max_request_documents: int = knob("env", "max_request_documents")
     restate_question: bool = knob("env", "restate_question")
     exclude_seen_passages: bool = knob("env", "exclude_seen_passages")
     max_failed_search_fraction: float = field(

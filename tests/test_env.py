@@ -432,3 +432,21 @@ def test_searching_again_pages_on_when_seen_passages_are_excluded(retriever_url)
 
     assert repeated[0] == repeated[1] == paged[0] and len(paged[0]) == 2  # the seed's behaviour, and page one
     assert len(paged[1]) == 2 and not paged[0] & paged[1]  # the next two passages, none shown before
+
+
+def test_a_batch_beyond_the_servers_request_caps_is_sent_in_parts(retriever_url):
+    # The server refuses a request over its max_request_cost whole (422): the client keeps each within the caps.
+    config = SearchR1EnvConfig(search_url=retriever_url, topk=3, max_request_documents=6)
+    client = RetrievalClient(config)
+
+    async def search_all() -> list[str]:
+        try:
+            return await asyncio.gather(*(client.search(f"Super Bowl {n}") for n in range(5)))
+        finally:
+            await client.aclose()
+
+    results = asyncio.run(search_all())
+
+    assert all(text.count("\n") == 2 for text in results)  # three passages each: no search failed
+    assert client.metrics() | {"search/request_latency_s": 0} == {
+        "search/searches": 5, "search/requests": 3, "search/failures": 0, "search/request_latency_s": 0}

@@ -60,6 +60,15 @@ class RetrievalConfig:
     max_passage_chars: int = field(
         default=4096, metadata={"help": "Characters of one passage kept in the tool message (wiki-18's are ~600)."}
     )
+    max_request_queries: int = field(
+        default=1024, metadata={"help": "Most queries in one request; more concurrent searches are split (the "
+                                        "retrieval server's max_queries_per_request)."}
+    )
+    max_request_documents: int = field(
+        default=4096, metadata={"help": "Most passages one request asks for (queries x topk, more where "
+                                        "exclude_seen_passages skips some); more are split (the server's "
+                                        "max_request_cost)."}
+    )
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -145,13 +154,16 @@ class RetrievalClient:
                              f"got {config.search_url!r}")
         if (config.topk < 1 or min(config.timeout_s, config.deadline_s) <= 0 or config.max_retries < 0
                 or min(config.retry_backoff_s, config.max_backoff_s) < 0
-                or min(config.max_response_bytes, config.max_passage_chars) < 1):
+                or min(config.max_response_bytes, config.max_passage_chars, config.max_request_queries,
+                       config.max_request_documents) < 1):
             raise ValueError(f"expected topk >= 1, timeout_s, deadline_s > 0, max_retries, retry_backoff_s, "
-                             f"max_backoff_s >= 0 and max_response_bytes, max_passage_chars >= 1, got "
+                             f"max_backoff_s >= 0 and max_response_bytes, max_passage_chars, max_request_queries, "
+                             f"max_request_documents >= 1, got "
                              f"topk={config.topk}, timeout_s={config.timeout_s}, deadline_s={config.deadline_s}, "
                              f"max_retries={config.max_retries}, retry_backoff_s={config.retry_backoff_s}, "
                              f"max_backoff_s={config.max_backoff_s}, max_response_bytes={config.max_response_bytes}, "
-                             f"max_passage_chars={config.max_passage_chars}")
+                             f"max_passage_chars={config.max_passage_chars}, max_request_queries="
+                             f"{config.max_request_queries}, max_request_documents={config.max_request_documents}")
         self.config = config
         self._http: httpx.AsyncClient | None = None
         self._http_loop: asyncio.AbstractEventLoop | None = None
@@ -184,13 +196,19 @@ class RetrievalClient:
         return None if docs is None else [d for d in docs if d["contents"] not in skip][:self.config.topk]
 
     def _flush(self) -> None:
-        """Send the pending searches as one request per depth (``topk``, or more where passages are skipped)."""
+        """Send the pending searches, one request per depth (``topk``, or more where passages are skipped), each
+        within ``max_request_queries`` and ``max_request_documents`` (a bigger one would be refused whole)."""
         batch, self._pending = self._pending, []
         for depth in dict.fromkeys(depth for _, depth, _ in batch):
-            task = asyncio.get_running_loop().create_task(
-                self._answer(depth, [(query, future) for query, d, future in batch if d == depth]))
-            self._requests_in_flight.add(task)  # the loop keeps only weak references to tasks
-            task.add_done_callback(self._requests_in_flight.discard)
+            searches = [(query, future) for query, d, future in batch if d == depth]
+            queries = list(dict.fromkeys(query for query, _ in searches))
+            size = max(1, min(self.config.max_request_queries, self.config.max_request_documents // depth))
+            for start in range(0, len(queries), size):
+                chunk = set(queries[start:start + size])
+                task = asyncio.get_running_loop().create_task(
+                    self._answer(depth, [(query, future) for query, future in searches if query in chunk]))
+                self._requests_in_flight.add(task)  # the loop keeps only weak references to tasks
+                task.add_done_callback(self._requests_in_flight.discard)
 
     async def _answer(self, depth: int, batch: list[tuple[str, asyncio.Future[list[dict] | None]]]) -> None:
         """Retrieve ``depth`` passages for a batch and resolve each search's future; identical queries are
