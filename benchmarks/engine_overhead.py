@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from benchmarks.report import report
-from benchmarks.rollout_throughput import loop_lag, retriever_counts, search_split, workload
+from benchmarks.rollout_throughput import loop_lag_probe, retriever_counts, search_split, workload
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets import require
 from searchr1_trl.engine.generation import Generation, Generator, SamplingParams, VLLMServerGenerator
@@ -141,12 +141,11 @@ def run_once(engine: RolloutEngine, samples, params: SamplingParams, search_url:
     engine.run."""
 
     async def main():
-        lags: list[float] = []
-        probe = asyncio.get_running_loop().create_task(loop_lag(lags))
         try:
-            return await engine.run(samples, params), lags
+            async with loop_lag_probe() as lags:
+                rollouts = await engine.run(samples, params)
+            return rollouts, lags
         finally:
-            probe.cancel()
             await engine.generator.aclose()
             await engine.envs.aclose()
 

@@ -68,7 +68,8 @@ variant_flags() {
   esac
 }
 
-# seeded_batch OUT "NAMES" [benchmarks.learning run flags]: 3 seeds of each named variant side by side, one table.
+# seeded_batch OUT "NAMES" [benchmarks.learning run flags]: the seeds $SEEDS (default 0 1 2) of each named variant side
+# by side, one table.
 seeded_batch() {
   local out=$1 names=$2 name flags variants=()
   shift 2
@@ -76,7 +77,7 @@ seeded_batch() {
     flags=$(variant_flags "$name") || exit 2
     variants+=(--variant "$name=$LIGHT_SAVES $flags")
   done
-  python3 -m benchmarks.learning run --out "$RUNS/$out" --seeds 0 1 2 ${EAGER:+--eager} "${variants[@]}" "$@"
+  python3 -m benchmarks.learning run --out "$RUNS/$out" --seeds ${SEEDS:-0 1 2} ${EAGER:+--eager} "${variants[@]}" "$@"
 }
 
 case "${1:?step}" in
@@ -120,7 +121,7 @@ case "${1:?step}" in
     seeds=${2:?seeds, two at most: "0 2", then "1"}
     [ "$(wc -w <<< "$seeds")" -le 2 ] || { echo "learning_sibling: $seeds; two seeds at most fit one H200" >&2; exit 2; }
     [ -d "$SIBLING" ] || { echo "no $SIBLING: searchr1-assets --sibling, bundle with BUNDLE_SIBLING=1" >&2; exit 2; }
-    seeded_batch learning_sibling q15 --kv_cache_gib 2 --seeds $seeds ;;
+    SEEDS=$seeds seeded_batch learning_sibling q15 --kv_cache_gib 2 ;;
   eval_sibling)  # apart from the batch: upload, setup and the batch take ~26 of a session's 30 device minutes
     python3 scripts/eval_offline.py --checkpoints "$SIBLING" --corpus full --num_samples 500 --sample_offset 500 \
       --methods direct rag --generator transformers --max_concurrency 256 --retriever_port 8200 \

@@ -122,14 +122,12 @@ def engine_run(tokenizer, generator, search_url: str, samples, params, rollout_c
     engine = RolloutEngine(tokenizer, generator, env, rollout_config)
 
     async def main():
-        lags: list[float] = []
-        probe = asyncio.get_running_loop().create_task(loop_lag(lags))
         try:
-            start = time.perf_counter()
-            rollouts = await engine.run(samples, params)
+            async with loop_lag_probe() as lags:
+                start = time.perf_counter()
+                rollouts = await engine.run(samples, params)
             return rollouts, time.perf_counter() - start, lags
         finally:
-            probe.cancel()
             await generator.aclose()
             await env.aclose()
 
@@ -156,6 +154,17 @@ async def loop_lag(lags: list[float]) -> None:
         asked = loop.time()
         await asyncio.sleep(LAG_PROBE_S)
         lags.append(loop.time() - asked - LAG_PROBE_S)
+
+
+@contextlib.asynccontextmanager
+async def loop_lag_probe():
+    """The lags :func:`loop_lag` records while the block runs."""
+    lags: list[float] = []
+    probe = asyncio.get_running_loop().create_task(loop_lag(lags))
+    try:
+        yield lags
+    finally:
+        probe.cancel()
 
 
 def retriever_counts(search_url: str) -> dict[str, float]:

@@ -204,17 +204,18 @@ class RetrievalClient:
             queries = list(dict.fromkeys(query for query, _ in searches))
             size = max(1, min(self.config.max_request_queries, self.config.max_request_documents // depth))
             for start in range(0, len(queries), size):
-                chunk = set(queries[start:start + size])
+                chunk = queries[start:start + size]
+                wanted = set(chunk)
                 task = asyncio.get_running_loop().create_task(
-                    self._answer(depth, [(query, future) for query, future in searches if query in chunk]))
+                    self._answer(depth, chunk, [(query, future) for query, future in searches if query in wanted]))
                 self._requests_in_flight.add(task)  # the loop keeps only weak references to tasks
                 task.add_done_callback(self._requests_in_flight.discard)
 
-    async def _answer(self, depth: int, batch: list[tuple[str, asyncio.Future[list[dict] | None]]]) -> None:
-        """Retrieve ``depth`` passages for a batch and resolve each search's future; identical queries are
-        retrieved once."""
+    async def _answer(self, depth: int, queries: list[str],
+                      batch: list[tuple[str, asyncio.Future[list[dict] | None]]]) -> None:
+        """Retrieve ``depth`` passages for each of ``queries`` (distinct: identical searches are retrieved once) and
+        resolve the futures of ``batch``, the searches asking for them."""
         try:
-            queries = list(dict.fromkeys(query for query, _ in batch))
             results = await self._retrieve(queries, depth)
         except Exception as error:  # a bug, not a retrieval failure: surface it in the rollouts instead of hanging them
             for _, future in batch:
