@@ -47,12 +47,20 @@ def config_for(batch: int) -> str:
     return next(config for limit, config in CONFIGS_BY_BATCH if batch <= limit)
 
 
+def warm_up_batches() -> list[int]:
+    """One batch size per default config (the smallest it serves): searching each once compiles every kernel a
+    server will launch, since the batch size is not a specialised argument."""
+    return [1] + [limit + 1 for limit, _ in CONFIGS_BY_BATCH[:-1]]
+
+
 @triton.jit
 def _maximum(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit
+# B (the batch size) is not specialised: Triton would otherwise compile again for B == 1 and for B divisible by 16,
+# and each compile holds the server's queue for seconds at a size it first meets.
+@triton.jit(do_not_specialize=["B"])
 def _group_max_kernel(x_ptr, v_ptr, out_ptr, B, N, D, num_groups, stride_x, stride_v, stride_out,
                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       EVEN_K: tl.constexpr):

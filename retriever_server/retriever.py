@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from retriever_server.encoder import Encoder, EncoderConfig
-from retriever_server.index import Corpus, SearchConfig, load_index
+from retriever_server.index import Corpus, SearchConfig, TorchFlatIndex, load_index
 from retriever_server.progress import loading
 
 logger = logging.getLogger(__name__)
@@ -125,6 +125,8 @@ class Retriever:
                 "rebuild the index from this corpus"
             )
         self.encoder, self.index, self.corpus = encoder, index, corpus
+        if isinstance(index, TorchFlatIndex):
+            index.warm_up()
 
     @classmethod
     def from_paths(cls, index_path: str, corpus_path: str, encoder_config: EncoderConfig,

@@ -441,6 +441,25 @@ def test_the_fused_kernel_leaves_rows_that_fp16_cannot_tell_apart_to_the_fp32_re
     np.testing.assert_allclose(torch_scores, scores, rtol=1e-6)
 
 
+def test_the_warm_up_compiles_every_default_kernel_config_before_any_request(flat_kernel, monkeypatch):
+    import torch
+
+    launched = []
+    group_maxima = flat_kernel.group_maxima
+
+    def spy(x, vectors, group, config=None):
+        launched.append(config or flat_kernel.config_for(len(x)))
+        return group_maxima(x, vectors, group, config)
+
+    monkeypatch.setattr(flat_kernel, "group_maxima", spy)
+    vectors, _ = fp16_vectors_and_unit_queries(0, 300, 1)
+    index = TorchFlatIndex.from_vectors(vectors, devices=[torch.device("cpu")], stage1="triton")
+
+    index.warm_up()
+
+    assert sorted(launched) == sorted(config for _, config in flat_kernel.CONFIGS_BY_BATCH)
+
+
 @pytest.mark.parametrize(("group", "config", "message"), [
     (64, "128x256", r"a kernel config is written BMxBNxBK-wW-sS, e\.g\. 128x256x64-w8-s3; got '128x256'"),
     (64, "128x96x64-w8-s3", r"tile sizes must be powers of two >= 16 .* got '128x96x64-w8-s3'"),
