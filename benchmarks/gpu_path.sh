@@ -26,9 +26,10 @@
 #   bash benchmarks/gpu_path.sh learning_levers ["<levers>"]  # one GPU, ~20 min: the recipe with each lever of
 #                                              # top1 (top-1 retrieval), g16 (16 rollouts per question), nosearch (a
 #                                              # no-search penalty of 0.1), clip20 (symmetric clipping), warmup10 (10
-#                                              # warmup steps), pages (a second search reads unseen passages);
-#                                              # default "pages top1": 3 seeds each side by side (two levers, six
-#                                              # runs, fill one H200)
+#                                              # warmup steps), pages (a second search reads unseen passages),
+#                                              # pages4 (pages, its second-search traces taught 4 times);
+#                                              # default "pages pages4": 3 seeds each side by side (two levers,
+#                                              # six runs, fill one H200)
 #   bash benchmarks/gpu_path.sh async_e2e "<modes>" [gpu]  # offline_gpu, 3 seeds of each mode side by side; modes
 #                                              # of sync, async, async pausing in-flight rollouts for a push (pause),
 #                                              # sync_ipc, async_ipc (the push through CUDA IPC): one table in
@@ -61,9 +62,12 @@ variant_flags() {
     warmup10) echo "--warmup_steps 10 --weight_sync ipc" ;;  # 10 warmup steps instead of 2
     pages) echo "--exclude_seen_passages true --warm_start_second_search true --weight_sync ipc" ;;  # searching
       # again reads the next passages, and the warm start shows it where the first search missed the gold
+    pages4) echo "--exclude_seen_passages true --warm_start_second_search true --warm_start_second_search_repeats 4" \
+      "--weight_sync ipc" ;;  # the same, each trace with a second search taught 4 times: `pages` (6% of traces)
+      # left a greedy policy that never searched again (2026-12-04)
     q15) echo "--model $SIBLING --dtype bfloat16 --fp32_master_weights true --per_device_train_batch_size 2" \
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
-    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, top1, g16, nosearch, clip20, warmup10, pages or q15" >&2
+    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, top1, g16, nosearch, clip20, warmup10, pages, pages4 or q15" >&2
        return 2 ;;
   esac
 }
@@ -127,7 +131,7 @@ case "${1:?step}" in
       --methods direct rag --generator transformers --max_concurrency 256 --retriever_port 8200 \
       --output_dir "$RUNS/eval_sibling_report" ;;
   learning_levers)  # levers not yet run on the 0.5B (docs/results/learning.md), the recipe's other flags as committed
-    seeded_batch learning_levers "${2:-pages top1}" --kv_cache_gib 2 ;;
+    seeded_batch learning_levers "${2:-pages pages4}" --kv_cache_gib 2 ;;
   eval_table)  # the retriever on that GPU's host, each checkpoint in-process on that GPU
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \
