@@ -18,7 +18,7 @@
 #                                              # in 8 x 8 micro-batches as committed, fewer larger ones, packed, and
 #                                              # with compiled layers (policy_update_0_5b.jsonl)
 #   bash benchmarks/gpu_path.sh trainer_compile  # one GPU, ~5 min: 12 GRPO steps eager, compile_layers, padding_free, both
-#   bash benchmarks/gpu_path.sh rollouts_wiki   # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
+#   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
 #   bash benchmarks/gpu_path.sh eval_sibling   # one GPU: that model's closed-book and RAG on the report sample (the
@@ -149,9 +149,10 @@ case "${1:?step}" in
     python3 -m benchmarks.learning run --out "$RUNS/trainer_compile" --seeds 0 --eager --baseline eager \
       --variant "eager=$F" --variant "compiled=$F --compile_layers true" --variant "packed=$F --padding_free true" \
       --variant "compiled_packed=$F --compile_layers true --padding_free true" ;;
-  rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768
+  rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768;
+    # $2: more retrieval server flags, e.g. "--device cpu" (its encoder on the host's cores)
     python3 -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \
-      --pad_index_rows 21000000 --pad_index_dim 768 --vllm_gpu_memory_utilization 0.5 \
+      --pad_index_rows 21000000 --pad_index_dim 768 --vllm_gpu_memory_utilization 0.5 --retriever_args="${2:-}" \
       --out "$RUNS/rollout_throughput_wiki.jsonl" ;;
   performance)
     for load in "64 1" "8 64"; do

@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -298,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="serve the index padded to this many rows by random vectors (wiki-18: 21000000), so "
                              "searches cost what they cost at that scale (benchmarks/padded_retriever.py)")
     parser.add_argument("--pad_index_dim", type=int, default=768, help="vector width of the padded index")
+    parser.add_argument("--retriever_args", default="",
+                        help='more flags for the retrieval server, one string: --retriever_args="--device cpu" puts '
+                             "its encoder on the host's cores (on a GPU vLLM keeps busy, its kernels queue there)")
     parser.add_argument("--out", help="append the JSON lines to this file (docs/results/rollout_throughput.jsonl)")
     args = parser.parse_args(argv)
     if args.num_questions < 2 or args.num_questions % 2:
@@ -322,7 +326,8 @@ def main(argv: list[str] | None = None) -> None:
                     "model": Path(model_path).name, "num_rollouts": args.num_questions, "max_tokens": args.max_tokens,
                     "max_turns": args.max_turns, "temperature": args.temperature,
                     "bare_json_tool_calls": args.bare_json_tool_calls,
-                    "index_rows": args.pad_index_rows, "index_dim": args.pad_index_dim if args.pad_index_rows else None}
+                    "index_rows": args.pad_index_rows, "index_dim": args.pad_index_dim if args.pad_index_rows else None,
+                    **({"retriever_args": args.retriever_args} if args.retriever_args else {})}
     results = []
 
     def record(result: Result) -> None:
@@ -336,11 +341,13 @@ def main(argv: list[str] | None = None) -> None:
         index = work / "index.faiss"
         subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", str(corpus),
                         "--retriever_model", assets.embedder, "--index_path", str(index)], check=True)
-        padded = (dict(module="benchmarks.padded_retriever", extra_args=(
-            "--pad_to_rows", str(args.pad_index_rows), "--pad_to_dim", str(args.pad_index_dim)))
-            if args.pad_index_rows else {})
+        module, extra_args = "retriever_server.server", shlex.split(args.retriever_args)
+        if args.pad_index_rows:
+            module = "benchmarks.padded_retriever"
+            extra_args += ["--pad_to_rows", str(args.pad_index_rows), "--pad_to_dim", str(args.pad_index_dim)]
         with RetrieverProcess(index_path=str(index), corpus_path=str(corpus), retriever_model=assets.embedder,
-                              port=free_port(), log_file=str(work / "retriever.log"), **padded) as retriever:
+                              port=free_port(), log_file=str(work / "retriever.log"), module=module,
+                              extra_args=tuple(extra_args)) as retriever:
             print(f"{len(samples)} rollouts of {len(samples) // 2} questions, {params}, {rollout_config}", flush=True)
             if "transformers" in args.backends:  # before vLLM starts, so they don't share the device
                 model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.transformers_dtype))
