@@ -190,6 +190,32 @@ def test_compile_layers_compiles_each_decoder_layer_in_place_and_gives_the_eager
         torch.testing.assert_close(compiled_grads[name], eager_grads[name], rtol=1e-3, atol=1e-6)
 
 
+def widened(batch: dict, extra: int) -> dict:
+    """``batch`` with ``extra`` more padding columns after the completions: the same rollouts at a new length."""
+    pad = lambda t, value=0: torch.nn.functional.pad(t, (0, extra), value=value)  # noqa: E731
+    return {**batch, "completion_ids": pad(batch["completion_ids"]), "completion_mask": pad(batch["completion_mask"]),
+            "tool_mask": pad(batch["tool_mask"], 1)}
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_compiled_layers_take_a_new_rollout_length_without_compiling_again(tiny_model_dir, questions_file, tmp_path,
+                                                                          padding_free):
+    # Every step brings rollouts of new lengths; a layer compiled for one static length compiles again at the next
+    # (seconds to tens of seconds a compile on a GPU), so the layers are compiled for dynamic lengths from the start.
+    torch._dynamo.reset()  # what earlier tests compiled (and the lengths dynamo saw change) would hide a recompile
+    compiled = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file,
+                                                                              compile_layers=True,
+                                                                              padding_free=padding_free))
+    compiled.current_gradient_accumulation_steps = 1
+    batch = rollout_batch(compiled.model.config.vocab_size)
+    first_loss, _ = loss_and_grads(compiled, batch)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for extra in (3, 9):
+        loss, _ = loss_and_grads(compiled, widened(batch, extra))
+        torch.testing.assert_close(loss, first_loss, rtol=1e-4, atol=1e-6)  # padding changes nothing
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
 def test_compile_layers_refuses_a_model_without_decoder_layers():
     with pytest.raises(ValueError, match="Linear has no transformers decoder layers"):
         compile_decoder_layers(torch.nn.Linear(4, 4))
