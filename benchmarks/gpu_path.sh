@@ -17,7 +17,8 @@
 #   bash benchmarks/gpu_path.sh update_0_5b    # one GPU, ~4 min: the offline_gpu recipe's update (64 rollouts, 0.5B)
 #                                              # in 8 x 8 micro-batches as committed, fewer larger ones, packed, and
 #                                              # with compiled layers (policy_update_0_5b.jsonl)
-#   bash benchmarks/gpu_path.sh trainer_compile  # one GPU, ~5 min: 12 GRPO steps eager, compile_layers, padding_free, both
+#   bash benchmarks/gpu_path.sh trainer_compile ["<variants>"]  # one GPU, ~3 min a variant, in series: 12 GRPO
+#                                              # steps eager, compiled, packed, compiled_packed
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
@@ -143,12 +144,17 @@ case "${1:?step}" in
       python3 -m benchmarks.policy_update --model "$MODEL" --seq 1024 --ragged $lever \
         --out "$RUNS/policy_update_0_5b.jsonl"
     done ;;
-  trainer_compile)  # the trainer's own step: eager, compiled decoder layers, packed rows, both; 12 steps side by side
+  trainer_compile)  # the trainer's own step: eager, compiled decoder layers, packed rows, both; 12 steps each,
+    # one run at a time (side by side they time each other's share of the GPU); $2: the variants, default all four
     F="--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200"
     F="$F --weight_sync ipc $LIGHT_SAVES"
-    python3 -m benchmarks.learning run --out "$RUNS/trainer_compile" --seeds 0 --eager --baseline eager \
-      --variant "eager=$F" --variant "compiled=$F --compile_layers true" --variant "packed=$F --padding_free true" \
-      --variant "compiled_packed=$F --compile_layers true --padding_free true" ;;
+    declare -A lever=([eager]="" [compiled]="--compile_layers true" [packed]="--padding_free true"
+                      [compiled_packed]="--compile_layers true --padding_free true")
+    for v in ${2:-eager compiled packed compiled_packed}; do
+      [[ -v "lever[$v]" ]] || { echo "trainer_compile: no variant $v (eager compiled packed compiled_packed)" >&2; exit 2; }
+      python3 -m benchmarks.learning run --out "$RUNS/trainer_compile_serial" --seeds 0 --eager --baseline eager \
+        --variant "$v=$F ${lever[$v]}"
+    done ;;
   rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768;
     # $2: more retrieval server flags, e.g. "--device cpu" (its encoder on the host's cores)
     python3 -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \

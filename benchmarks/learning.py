@@ -23,6 +23,7 @@ writes ``learning.json`` and prints Markdown tables.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import shlex
@@ -181,7 +182,37 @@ def report(out: Path, baseline: str | None = None) -> dict:
               f"{fmt(r['train_runtime_s'], 1)} |")
     print()
     print(variant_table(table, baseline))
+    speed = step_split(out)
+    if speed:
+        print()
+        print(speed)
     return table
+
+
+def step_split(out: Path) -> str:
+    """Where each run's optimizer steps went, from its ``log_history.csv``: one Markdown row per run with the mean
+    step, TRL's ``generate_and_score`` (push, rollouts, rewards, old log-probs) and the policy update (the rest of
+    TRL's ``step_time``: loss and backward), the update as the median over the first and the second half of the
+    steps apart, so a lever that compiles (``compile_layers``) shows its warm-up and its steady state separately.
+    "" when no run has the file."""
+    lines = []
+    for folder in sorted(p for p in out.iterdir() if (p / "log_history.csv").exists()):
+        with open(folder / "log_history.csv", newline="") as f:
+            steps = [row for row in csv.DictReader(f) if row.get("step_time")]
+        if not steps:
+            continue
+        total = [float(row["step_time"]) for row in steps]
+        prepare = [float(row["generate_and_score/time_s"]) for row in steps]
+        update = [t - g for t, g in zip(total, prepare, strict=True)]
+        half = len(update) // 2
+        first = f"{statistics.median(update[:half]):.2f}" if half else "-"
+        lines.append(f"| {folder.name} | {len(steps)} | {statistics.mean(total):.2f} | "
+                     f"{statistics.mean(prepare):.2f} | {statistics.mean(update):.2f} | {first} | "
+                     f"{statistics.median(update[half:]):.2f} |")
+    if not lines:
+        return ""
+    return "\n".join(["| run | steps | step s | generate and score s | policy update s | update, median of the "
+                      "first half s | update, median of the second half s |", "| --- " * 7 + "|", *lines])
 
 
 def pool(sources: list[str], step: int) -> dict:

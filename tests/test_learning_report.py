@@ -39,6 +39,21 @@ def test_the_report_gives_each_variants_train_runtime_and_report_em_and_the_spee
     assert json.loads((tmp_path / "learning.json").read_text())["variants"]["async"]["train_runtime_s"]["n"] == 3
 
 
+def test_the_report_splits_each_runs_steps_and_shows_a_compile_warm_up_apart_from_its_steady_state(tmp_path,
+                                                                                                    capsys):
+    finished_run(tmp_path, "compiled", 0, 100.0, 0.44)
+    finished_run(tmp_path, "eager", 0, 100.0, 0.44)
+    # TRL logs step_time per optimizer step and evaluations on rows of their own, which the split skips.
+    rows = ["step,step_time,generate_and_score/time_s,eval_em", "0,,,0.40",
+            "1,30.0,4.0,", "2,12.0,4.0,", "3,6.0,4.0,", "4,5.0,4.0,", "4,,,0.45"]
+    (tmp_path / "compiled_s0" / "log_history.csv").write_text("\n".join(rows) + "\n")
+    report(tmp_path)
+    printed = capsys.readouterr().out
+    # update = step - generate_and_score: 26, 8, 2, 1; first half's median 17, second half's 1.5
+    assert "| compiled_s0 | 4 | 13.25 | 4.00 | 9.25 | 17.00 | 1.50 |" in printed
+    assert "eager_s0 |" not in printed.split("| run | steps |")[1]  # no log: no row
+
+
 def test_a_baseline_that_has_not_run_yet_leaves_the_speedup_out(tmp_path, capsys):
     finished_run(tmp_path, "async", 0, 80.0, 0.43)
     report(tmp_path, baseline="sync")
