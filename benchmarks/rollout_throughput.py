@@ -31,7 +31,9 @@ nothing else in TRL's generation path is altered.
 Each row also splits a search request's time (:func:`search_split`): its latency at the client, at the retrieval
 server (its ``/metrics`` counters before and after the run) and the server's batch time within that, queries per
 batch, and for (a)/(b) how late the engine's event loop runs a ready coroutine. At wiki-18 scale the engine's client
-saw 0.38-1.89 s a request where a batch's scan costs tens of ms; these say which side the rest is on.
+saw 0.38-1.89 s a request where a batch's scan costs tens of ms; these say which side the rest is on. And for
+(a)/(b), when the rollouts finished and what the last one spent generating and searching (:func:`tail`): a fixed
+batch's rollouts/s is its size over its last finish.
 """
 
 from __future__ import annotations
@@ -80,9 +82,10 @@ class Result:
     searches: int
     seconds: float
     searching: dict = field(default_factory=dict)  # where a search's time goes (:func:`search_split`)
+    latency: dict = field(default_factory=dict)  # when rollouts finished, and the slowest one's split (:func:`tail`)
 
     def row(self) -> dict:
-        return {**self.searching,
+        return {**self.searching, **self.latency,
             "backend": self.backend, "rollouts": self.rollouts, "seconds": round(self.seconds, 2),
             "rollouts_per_s": round(self.rollouts / self.seconds, 4),
             "generated_tokens_per_s": round(self.generated_tokens / self.seconds, 1),
@@ -100,7 +103,23 @@ class Result:
                    "({client_requests} requests), {server_request_latency_ms} ms in the server ({server_requests}), "
                    "{server_batch_ms} ms a batch of {server_queries_per_batch} queries".format(**self.searching)
                    + ("" if self.searching["client_loop_lag_ms"] is None else
-                      f"; the client loop's lag (ms) {self.searching['client_loop_lag_ms']}")))
+                      f"; the client loop's lag (ms) {self.searching['client_loop_lag_ms']}"))
+                + ("" if not self.latency else "\n    rollouts done at (s) {rollout_done_s}; the slowest: "
+                   "{slowest_rollout}".format(**self.latency)))
+
+
+def tail(rollouts, done_s: list[float]) -> dict:
+    """When the rollouts of one batch finished (``done_s``, seconds from the batch's start: p50, p90, max) and the
+    last one's time in generation and in its environment, with its turns and generated tokens: a batch's rollouts/s
+    is its size over its last rollout's finish, so this says whether the run waited on the many or on one rollout's
+    long chain of turns."""
+    slowest = rollouts[max(range(len(rollouts)), key=done_s.__getitem__)]
+    done = sorted(done_s)
+    return {"rollout_done_s": {"p50": round(done[len(done) // 2], 2), "p90": round(done[int(len(done) * 0.9)], 2),
+                               "max": round(done[-1], 2)},
+            "slowest_rollout": {"generate_s": round(slowest.timings["generate_s"], 2),
+                                "env_s": round(slowest.timings["env_s"], 2), "turns": slowest.num_turns,
+                                "generated_tokens": sum(slowest.env_mask)}}
 
 
 def workload(assets, num_questions: int, work: Path) -> tuple[list[SearchR1Sample], Path]:
@@ -126,14 +145,21 @@ def engine_run(tokenizer, generator, search_url: str, samples, params, rollout_c
         try:
             async with loop_lag_probe() as lags:
                 start = time.perf_counter()
-                rollouts = await engine.run(samples, params)
-            return rollouts, time.perf_counter() - start, lags
+                done_s = [0.0] * len(samples)
+
+                async def stamped(i, sample):  # engine.run's tasks, each stamped when it finishes
+                    rollout = await engine.rollout(sample, params)
+                    done_s[i] = time.perf_counter() - start
+                    return rollout
+
+                rollouts = await asyncio.gather(*(stamped(i, s) for i, s in enumerate(samples)))
+            return rollouts, time.perf_counter() - start, lags, done_s
         finally:
             await generator.aclose()
             await env.aclose()
 
     server_before = retriever_counts(search_url)
-    rollouts, seconds, lags = asyncio.run(main())
+    rollouts, seconds, lags, done_s = asyncio.run(main())
     statuses = {}
     for r in rollouts:
         statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
@@ -141,7 +167,7 @@ def engine_run(tokenizer, generator, search_url: str, samples, params, rollout_c
     print(f"  statuses: {statuses}; env metrics: {client}", flush=True)
     return Result("", len(rollouts), sum(sum(r.env_mask) for r in rollouts), sum(r.num_turns for r in rollouts),
                   sum(r.num_tool_calls for r in rollouts), seconds,
-                  search_split(client, server_before, retriever_counts(search_url), lags))
+                  search_split(client, server_before, retriever_counts(search_url), lags), tail(rollouts, done_s))
 
 
 LAG_PROBE_S = 0.005

@@ -73,3 +73,16 @@ def test_loop_lag_sees_a_loop_held_by_blocking_work():
 
     lags = asyncio.run(main())
     assert max(lags) >= 0.09 and min(lags) < 0.05
+
+
+def test_tail_names_when_the_batch_finished_and_what_its_last_rollout_spent():
+    from types import SimpleNamespace
+
+    from benchmarks.rollout_throughput import tail
+
+    rollouts = [SimpleNamespace(timings={"generate_s": g, "env_s": e}, num_turns=t, env_mask=[1] * n + [0] * 5)
+                for g, e, t, n in [(0.5, 0.1, 2, 40), (3.9, 0.6, 3, 384), (1.0, 0.2, 2, 60), (0.8, 0.1, 1, 20)]]
+    done_s = [0.7, 4.6, 1.3, 1.0]  # the second rollout finished last
+    assert tail(rollouts, done_s) == {
+        "rollout_done_s": {"p50": 1.3, "p90": 4.6, "max": 4.6},
+        "slowest_rollout": {"generate_s": 3.9, "env_s": 0.6, "turns": 3, "generated_tokens": 384}}
