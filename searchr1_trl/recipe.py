@@ -145,8 +145,9 @@ class SearchR1Config(GRPOConfig):
     )
     compile_layers: bool = field(
         default=False,
-        metadata={"help": "torch.compile each decoder layer in place (searchr1_trl/update.py): same loss, the first "
-                          "steps compile. H200, seq 2048: update MFU 0.38 -> 0.58 (Qwen3-1.7B), 0.55 -> 0.69 (8B)."},
+        metadata={"help": "torch.compile each decoder layer in place, for any rollout length (searchr1_trl/update.py): "
+                          "same loss, the first step compiles. H200, seq 2048: update MFU 0.38 -> 0.58 (Qwen3-1.7B), "
+                          "0.55 -> 0.69 (8B)."},
     )
 
     # --- inherited GRPO fields the trainer owns ---
