@@ -54,7 +54,10 @@ variant_flags() {
     sync) echo "" ;;
     async) echo "--async_rollouts true --max_staleness 1" ;;
     pause) echo "--async_rollouts true --max_staleness 1 --in_flight_rollouts pause" ;;
-    sync_ipc) echo "--weight_sync ipc" ;;  # the push through CUDA IPC instead of tmpfs
+    sync_ipc|eager) echo "--weight_sync ipc" ;;  # the push through CUDA IPC instead of tmpfs (eager: no compile)
+    compiled) echo "--compile_layers true --weight_sync ipc" ;;
+    packed) echo "--padding_free true --weight_sync ipc" ;;
+    compiled_packed) echo "--compile_layers true --padding_free true --weight_sync ipc" ;;
     async_ipc) echo "--async_rollouts true --max_staleness 1 --weight_sync ipc" ;;
     top1) echo "--topk 1 --weight_sync ipc" ;;  # the levers, on the recipe as last measured (sync_ipc)
     g16) echo "--num_generations 16 --weight_sync ipc" ;;
@@ -68,19 +71,20 @@ variant_flags() {
       # left a greedy policy that never searched again (2026-12-04)
     q15) echo "--model $SIBLING --dtype bfloat16 --fp32_master_weights true --per_device_train_batch_size 2" \
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
-    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, top1, g16, nosearch, clip20, warmup10, pages, pages4 or q15" >&2
+    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, eager, compiled, packed, compiled_packed," \
+         "top1, g16, nosearch, clip20, warmup10, pages, pages4 or q15" >&2
        return 2 ;;
   esac
 }
 
 # seeded_batch OUT "NAMES" [benchmarks.learning run flags]: the seeds $SEEDS (default 0 1 2) of each named variant side
-# by side, one table.
+# by side, one table; $BATCH_FLAGS go to every run before the variant's own.
 seeded_batch() {
   local out=$1 names=$2 name flags variants=()
   shift 2
   for name in $names; do
     flags=$(variant_flags "$name") || exit 2
-    variants+=(--variant "$name=$LIGHT_SAVES $flags")
+    variants+=(--variant "$name=$LIGHT_SAVES ${BATCH_FLAGS:-} $flags")
   done
   python3 -m benchmarks.learning run --out "$RUNS/$out" --seeds ${SEEDS:-0 1 2} ${EAGER:+--eager} "${variants[@]}" "$@"
 }
@@ -146,15 +150,10 @@ case "${1:?step}" in
     done ;;
   trainer_compile)  # the trainer's own step: eager, compiled decoder layers, packed rows, both; 12 steps each,
     # one run at a time (side by side they time each other's share of the GPU); $2: the variants, default all four
+    variants=${2:-eager compiled packed compiled_packed}
+    for v in $variants; do variant_flags "$v" > /dev/null || exit 2; done  # every name checked before any run
     F="--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200"
-    F="$F --weight_sync ipc $LIGHT_SAVES"
-    declare -A lever=([eager]="" [compiled]="--compile_layers true" [packed]="--padding_free true"
-                      [compiled_packed]="--compile_layers true --padding_free true")
-    for v in ${2:-eager compiled packed compiled_packed}; do
-      [[ -v "lever[$v]" ]] || { echo "trainer_compile: no variant $v (eager compiled packed compiled_packed)" >&2; exit 2; }
-      python3 -m benchmarks.learning run --out "$RUNS/trainer_compile_serial" --seeds 0 --eager --baseline eager \
-        --variant "$v=$F ${lever[$v]}"
-    done ;;
+    for v in $variants; do SEEDS=0 EAGER=1 BATCH_FLAGS=$F seeded_batch trainer_compile_serial "$v" --baseline eager; done ;;
   rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768;
     # $2: more retrieval server flags, e.g. "--device cpu" (its encoder on the host's cores)
     python3 -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \

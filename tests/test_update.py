@@ -192,9 +192,11 @@ def test_compile_layers_compiles_each_decoder_layer_in_place_and_gives_the_eager
 
 def widened(batch: dict, extra: int) -> dict:
     """``batch`` with ``extra`` more padding columns after the completions: the same rollouts at a new length."""
-    pad = lambda t, value=0: torch.nn.functional.pad(t, (0, extra), value=value)  # noqa: E731
-    return {**batch, "completion_ids": pad(batch["completion_ids"]), "completion_mask": pad(batch["completion_mask"]),
-            "tool_mask": pad(batch["tool_mask"], 1)}
+    def pad(name: str, value: int = 0) -> torch.Tensor:
+        return torch.nn.functional.pad(batch[name], (0, extra), value=value)
+
+    return {**batch, "completion_ids": pad("completion_ids"), "completion_mask": pad("completion_mask"),
+            "tool_mask": pad("tool_mask", 1)}
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
