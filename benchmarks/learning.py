@@ -198,7 +198,8 @@ def step_split(out: Path) -> str:
     lines = []
     for folder in sorted(p for p in out.iterdir() if (p / "log_history.csv").exists()):
         with open(folder / "log_history.csv", newline="") as f:
-            steps = [row for row in csv.DictReader(f) if row.get("step_time")]
+            # runs logged before TRL timed generate_and_score have no split to show
+            steps = [row for row in csv.DictReader(f) if row.get("step_time") and row.get("generate_and_score/time_s")]
         if not steps:
             continue
         total = [float(row["step_time"]) for row in steps]
