@@ -19,6 +19,9 @@
 #                                              # with compiled layers (policy_update_0_5b.jsonl)
 #   bash benchmarks/gpu_path.sh trainer_compile ["<variants>"]  # one GPU, ~3 min a variant, in series: 12 GRPO
 #                                              # steps eager, compiled, packed, compiled_packed
+#   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, ~5 min a variant, in series: the recipe's first
+#                                              # 30 GRPO steps alone on the GPU, CUDA graphs on; default sync (as in
+#                                              # issue 23), compiled_packed, async_compiled_packed
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
@@ -59,6 +62,8 @@ variant_flags() {
     packed) echo "--padding_free true --weight_sync ipc" ;;
     compiled_packed) echo "--compile_layers true --padding_free true --weight_sync ipc" ;;
     async_ipc) echo "--async_rollouts true --max_staleness 1 --weight_sync ipc" ;;
+    async_compiled_packed) echo "--async_rollouts true --max_staleness 1 --compile_layers true --padding_free true" \
+      "--weight_sync ipc" ;;  # every speed lever at once
     top1) echo "--topk 1 --weight_sync ipc" ;;  # the levers, on the recipe as last measured (sync_ipc)
     g16) echo "--num_generations 16 --weight_sync ipc" ;;
     nosearch) echo "--no_search_penalty 0.1 --weight_sync ipc" ;;
@@ -72,6 +77,7 @@ variant_flags() {
     q15) echo "--model $SIBLING --dtype bfloat16 --fp32_master_weights true --per_device_train_batch_size 2" \
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
     *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, eager, compiled, packed, compiled_packed," \
+         "async_compiled_packed," \
          "top1, g16, nosearch, clip20, warmup10, pages, pages4 or q15" >&2
        return 2 ;;
   esac
@@ -87,6 +93,14 @@ seeded_batch() {
     variants+=(--variant "$name=$LIGHT_SAVES ${BATCH_FLAGS:-} $flags")
   done
   python3 -m benchmarks.learning run --out "$RUNS/$out" --seeds ${SEEDS:-0 1 2} ${EAGER:+--eager} "${variants[@]}" "$@"
+}
+
+# in_series OUT "NAMES" FLAGS: seed 0 of each named variant alone on the GPU, one after another (side by side each run
+# times the others' share of the GPU), FLAGS to every run, the speedups over the first name.
+in_series() {
+  local out=$1 names=$2 name
+  for name in $names; do variant_flags "$name" > /dev/null || exit 2; done  # every name checked before any run
+  for name in $names; do SEEDS=0 BATCH_FLAGS=$3 seeded_batch "$out" "$name" --baseline "${names%% *}"; done
 }
 
 case "${1:?step}" in
@@ -148,12 +162,13 @@ case "${1:?step}" in
       python3 -m benchmarks.policy_update --model "$MODEL" --seq 1024 --ragged $lever \
         --out "$RUNS/policy_update_0_5b.jsonl"
     done ;;
-  trainer_compile)  # the trainer's own step: eager, compiled decoder layers, packed rows, both; 12 steps each,
-    # one run at a time (side by side they time each other's share of the GPU); $2: the variants, default all four
-    variants=${2:-eager compiled packed compiled_packed}
-    for v in $variants; do variant_flags "$v" > /dev/null || exit 2; done  # every name checked before any run
-    F="--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200"
-    for v in $variants; do SEEDS=0 EAGER=1 BATCH_FLAGS=$F seeded_batch trainer_compile_serial "$v" --baseline eager; done ;;
+  trainer_compile)  # the trainer's own step: eager, compiled decoder layers, packed rows, both; 12 steps each from
+    # the base model; $2: the variants, default all four
+    EAGER=1 in_series trainer_compile_serial "${2:-eager compiled packed compiled_packed}" \
+      "--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200" ;;
+  e2e_alone)  # issue 23's end to end: the recipe's first 30 GRPO steps (warm start, evaluations every 10 steps
+    # included as committed), each mode alone on the GPU with CUDA graphs; against the lock-step tmpfs reload first
+    in_series e2e_alone "${2:-sync compiled_packed async_compiled_packed}" "--max_steps 30" ;;
   rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768;
     # $2: more retrieval server flags, e.g. "--device cpu" (its encoder on the host's cores)
     python3 -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \

@@ -368,14 +368,15 @@ def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vll
 
 
 @pytest.mark.slow  # a short training on CPU: about 20 seconds each
-@pytest.mark.parametrize("padding_free", [False, True])
+@pytest.mark.parametrize("padding_free, compile_layers", [(False, False), (True, False), (True, True)])
 def test_an_async_run_with_kl_to_the_reference_logs_a_finite_kl_each_step(tiny_model_dir, questions_file, tmp_path,
-                                                                         padding_free):
+                                                                         padding_free, compile_layers):
     # the offline_gpu recipe's beta 0.04 with async rollouts: the reference forward runs on the trainer's step; packed,
-    # the loss's LM head skips unscored positions, which take the proximal log-probs async training brings
+    # the loss's LM head skips unscored positions, which take the proximal log-probs async training brings; compiled
+    # and packed too, as the fastest mode benchmarks/gpu_path.sh e2e_alone measures
     args = small_config(tmp_path, questions_file, "http://127.0.0.1:9/retrieve", max_steps=2, generator="transformers",
                         max_tokens_per_turn=8, max_turns=1, async_rollouts=True, max_staleness=1, learning_rate=1e-3,
-                        beta=0.04, padding_free=padding_free)
+                        beta=0.04, padding_free=padding_free, compile_layers=compile_layers)
     task = build_task(args)
     trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, task=task)
     trainer.train()
