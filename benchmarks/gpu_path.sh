@@ -27,7 +27,7 @@
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
 #   bash benchmarks/gpu_path.sh eval_sibling   # one GPU: that model's closed-book and RAG on the report sample (the
 #                                              # bar: its RAG + 0.10; 0.438 measured on CPU)
-#   bash benchmarks/gpu_path.sh learning_levers ["<levers>"]  # one GPU, ~20 min: the recipe with each lever of
+#   bash benchmarks/gpu_path.sh learning_levers ["<levers>" [gpu]]  # one GPU, ~22 min: the recipe with each lever of
 #                                              # top1 (top-1 retrieval), g16 (16 rollouts per question), nosearch (a
 #                                              # no-search penalty of 0.1), clip20 (symmetric clipping), warmup10 (10
 #                                              # warmup steps), pages (a second search reads unseen passages),
@@ -149,8 +149,12 @@ case "${1:?step}" in
     python3 scripts/eval_offline.py --checkpoints "$SIBLING" --corpus full --num_samples 500 --sample_offset 500 \
       --methods direct rag --generator transformers --max_concurrency 256 --retriever_port 8200 \
       --output_dir "$RUNS/eval_sibling_report" ;;
-  learning_levers)  # levers not yet run on the 0.5B (docs/results/learning.md), the recipe's other flags as committed
-    seeded_batch learning_levers "${2:-pages pages4}" --kv_cache_gib 2 ;;
+  learning_levers)  # levers not yet run on the 0.5B (docs/results/learning.md), the recipe's other flags as committed;
+    # $3: the GPU (default 0): on a two-GPU host a second batch runs on GPU 1 beside the first, on ports of its own,
+    # into learning_levers_gpu1
+    gpu=${3:-0} out=learning_levers
+    [ "$gpu" = 0 ] || out+=_gpu$gpu
+    seeded_batch "$out" "${2:-pages pages4}" --kv_cache_gib 2 --gpu "$gpu" --base_port $((8100 + 100 * gpu)) ;;
   eval_table)  # the retriever on that GPU's host, each checkpoint in-process on that GPU
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \
