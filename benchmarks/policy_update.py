@@ -31,23 +31,11 @@ import pandas as pd
 import torch
 
 from benchmarks.report import report
-from benchmarks.zero3_update import synthetic_rollouts
+from benchmarks.zero3_update import matmul_tflops, synthetic_rollouts
 from searchr1_trl.assets import require
 from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator
 from searchr1_trl.shapes import random_model
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
-
-
-def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
 def ragged(rollouts: dict, seed: int) -> dict:

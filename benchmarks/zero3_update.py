@@ -11,24 +11,42 @@ memory, step time and tokens/s of a random-weight stand-in of a recipe model, an
         --model Qwen/Qwen3-1.7B --num_hidden_layers 4 --per_device_batch 4 --steps 1
 
 The global batch (``per_device_batch`` x processes rows, the same rows whatever the split) and the weights are
-seeded, so the first step's loss must agree across topologies up to bf16 rounding. Prints one JSON line on rank 0.
+seeded, so the first step's loss must agree across topologies up to bf16 rounding. Prints one JSON line on rank 0,
+with the step's MFU on a GPU (as ``benchmarks.policy_update`` counts it, per GPU). ``--model`` may also be a folder
+(a checkpoint, e.g. the tests' tiny model). The recipe knobs ``--compile_layers`` and ``--padding_free`` go to the
+trainer: under ZeRO-3 the first is refused (torch.compile traces into ZeRO-3's parameter hooks and recompiles until
+its limit), under ZeRO-1/2 (an accelerate config with ``zero_stage: 2``) it compiles.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 import pandas as pd
 import torch
 from accelerate import PartialState
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.report import report
 from searchr1_trl.assets import require
 from searchr1_trl.shapes import random_model
 from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
+
+
+def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
+    """The bf16 matrix rate this GPU reaches (8192^3 products): the denominator of MFU."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
 def synthetic_rollouts(rows: int, seq: int, prompt: int, vocab: int, seed: int) -> dict:
@@ -71,12 +89,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--activation_checkpointing", action="store_true")
+    parser.add_argument("--compile_layers", action="store_true", help="the recipe knob: each decoder layer compiled")
+    parser.add_argument("--padding_free", action="store_true", help="the recipe knob: rollouts packed into rows")
     parser.add_argument("--out", default=None, help="append the JSON line here")
     args = parser.parse_args()
     state = PartialState()
     overrides = {"num_hidden_layers": args.num_hidden_layers} if args.num_hidden_layers else {}
     torch.manual_seed(args.seed)
-    model = random_model(args.model, dtype="bfloat16", **overrides)  # identical on every rank; DeepSpeed shards it
+    if Path(args.model).is_dir():
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, **overrides)
+    else:  # identical on every rank; DeepSpeed shards it
+        model = random_model(args.model, dtype="bfloat16", **overrides)
     params = sum(p.numel() for p in model.parameters())
     rows = args.per_device_batch * state.num_processes
     rollouts = synthetic_rollouts(rows, args.seq, args.prompt, model.config.vocab_size, args.seed)
@@ -89,7 +112,8 @@ def main() -> None:
             num_generations=args.per_device_batch, max_steps=args.steps, learning_rate=1e-6,
             bf16=torch.cuda.is_available(),
             logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none", seed=args.seed,
-            activation_checkpointing=args.activation_checkpointing,
+            activation_checkpointing=args.activation_checkpointing, compile_layers=args.compile_layers,
+            padding_free=args.padding_free,
         )
         trainer = FixedRolloutsTrainer(model=model, args=config, rollouts=rollouts,
                                        processing_class=AutoTokenizer.from_pretrained(require().model))
@@ -99,6 +123,7 @@ def main() -> None:
         trainer.train()
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0], device=trainer.accelerator.device)
     peaks = trainer.accelerator.gather(peak).tolist()
+    peak_tflops = matmul_tflops() if cuda else None
     history = [e for e in trainer.state.log_history if "loss" in e]
     step_times = [e["step_time"] for e in history]
     step_s = sorted(step_times[1:])[len(step_times[1:]) // 2] if len(step_times) > 1 else step_times[0]
@@ -107,8 +132,12 @@ def main() -> None:
         "model": args.model, "num_hidden_layers": model.config.num_hidden_layers, "params_b": round(params / 1e9, 3),
         "processes": state.num_processes, "global_batch": rows, "seq": args.seq,
         "activation_checkpointing": args.activation_checkpointing, "losses": [e["loss"] for e in history],
+        "grad_norms": [e.get("grad_norm") for e in history],
         "step_times_s": [round(t, 3) for t in step_times], "step_s": round(step_s, 3),
         "tokens_per_s": round(rows * args.seq / step_s), "peak_mem_gib_per_gpu": [round(p, 1) for p in peaks],
+        "compile_layers": args.compile_layers, "padding_free": args.padding_free,
+        "mfu": round(6 * params * rows * args.seq / step_s / state.num_processes / 1e12 / peak_tflops, 3)
+        if peak_tflops else None,
     }
     if state.is_main_process:
         report(result, args.out)

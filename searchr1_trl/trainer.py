@@ -122,6 +122,10 @@ class SearchR1Trainer(GRPOTrainer):
         )
         self.add_callback(NonFiniteGradientGuard(self._metrics["train"]))
         if args.compile_layers:
+            if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+                raise ValueError("compile_layers=True under DeepSpeed ZeRO-3: torch.compile traces into ZeRO-3's "
+                                 "parameter-gathering hooks and recompiles until its limit, then runs the layers "
+                                 "eager; drop compile_layers, or train without ZeRO-3 (ZeRO-1/2 compile as one GPU)")
             compile_decoder_layers(self.model)
         self.collapse_guard = None
         if args.collapse_guard and args.eval_strategy != "no":
