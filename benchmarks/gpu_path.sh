@@ -19,6 +19,8 @@
 #                                              # with compiled layers (policy_update_0_5b.jsonl)
 #   bash benchmarks/gpu_path.sh trainer_compile ["<variants>"]  # one GPU, ~3 min a variant, in series: 12 GRPO
 #                                              # steps eager, compiled, packed, compiled_packed
+#   bash benchmarks/gpu_path.sh update_1_7b    # one GPU, ~2 min: the qwen3_1_7b recipe's update, eager and compiled
+#   bash benchmarks/gpu_path.sh zero3_1gpu     # one GPU, ~2 min: Qwen3-1.7B's step through ZeRO-3, one process, MFU
 #   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, ~5 min a variant, in series: the recipe's first
 #                                              # 30 GRPO steps alone on the GPU, CUDA graphs on; default sync (as in
 #                                              # issue 23), compiled_packed, async_compiled_packed
@@ -104,6 +106,15 @@ in_series() {
   local out=$1 names=$2 name
   for name in $names; do variant_flags "$name" > /dev/null || exit 2; done  # every name checked before any run
   for name in $names; do SEEDS=0 BATCH_FLAGS=$3 seeded_batch "$out" "$name" --baseline "${names%% *}"; done
+}
+
+# The qwen3_1_7b recipe's own update (checkpointing, packed ragged rollouts, one GPU without DeepSpeed), eager and
+# compiled: whether the recipe turns compile_layers on.
+update_1_7b() {
+  for lever in "" --compile_layers; do
+    python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch 8 --dtype bfloat16 \
+      --fp32_master_weights --activation_checkpointing --ragged --padding_free $lever --out "$RUNS/policy_update.jsonl"
+  done
 }
 
 case "${1:?step}" in
@@ -201,12 +212,12 @@ case "${1:?step}" in
     done
     python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch 8 --dtype bfloat16 \
       --fp32_master_weights --compile_layers --out "$RUNS/policy_update.jsonl"
-    # the qwen3_1_7b recipe's own update (checkpointing, packed ragged rollouts), eager and compiled: whether the
-    # recipe turns compile_layers on
-    for lever in "" --compile_layers; do
-      python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch 8 --dtype bfloat16 \
-        --fp32_master_weights --activation_checkpointing --ragged --padding_free $lever \
-        --out "$RUNS/policy_update.jsonl"
-    done ;;
+    update_1_7b ;;
+  update_1_7b) update_1_7b ;;
+  zero3_1gpu)  # the trainer's own step through DeepSpeed ZeRO-3 in one process (compile_layers is refused there):
+    # Qwen3-1.7B and its MFU, as the ZeRO-3 recipes' update runs on each GPU (needs the bundle's DeepSpeed)
+    python3 -m accelerate.commands.launch --config_file accelerate_configs/zero3.yaml --num_processes 1 \
+      -m benchmarks.zero3_update --model Qwen/Qwen3-1.7B --per_device_batch 8 --seq 2048 --steps 5 \
+      --activation_checkpointing --out "$RUNS/zero3_update.jsonl" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
