@@ -41,6 +41,7 @@ def test_a_zero3_step_computes_the_gradients_of_the_step_without_deepspeed(tmp_p
     assert zero3["losses"] == pytest.approx(plain["losses"], rel=1e-3)
 
 
+@pytest.mark.slow  # a DeepSpeed launch, ~25 s
 def test_compile_layers_under_zero3_is_refused_with_the_reason(tmp_path, tiny_model_dir):
     run = update(tmp_path, tiny_model_dir, "zero3.yaml", "--compile_layers")
     assert run.returncode != 0
