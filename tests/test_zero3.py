@@ -1,6 +1,8 @@
 """The trainer under DeepSpeed ZeRO-3 (accelerate_configs/zero3.yaml), on CPU: DeepSpeed's CPU accelerator runs the
-engine, the sharded parameters and their gathering hooks in one process, so the update the Qwen3 recipes take is
-checked here against the same update without DeepSpeed (benchmarks/zero3_update.py, one fixed rollout batch)."""
+engine, the sharded parameters and their gathering hooks in one process, so the path the Qwen3 recipes take is
+checked here: the update against the same update without DeepSpeed (benchmarks/zero3_update.py, one fixed rollout
+batch), the refusal of compile_layers, and a GRPO step through scripts/train.py with its checkpoint. (Two processes
+stop at DeepSpeed's batch-size check on CPU, where transformers counts a world size of 1.)"""
 
 import json
 import subprocess
