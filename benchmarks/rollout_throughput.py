@@ -109,10 +109,11 @@ class Result:
 
 
 def tail(rollouts, done_s: list[float]) -> dict:
-    """When the rollouts of one batch finished (``done_s``, seconds from the batch's start: p50, p90, max) and the
-    last one's time in generation and in its environment, with its turns and generated tokens: a batch's rollouts/s
-    is its size over its last rollout's finish, so this says whether the run waited on the many or on one rollout's
-    long chain of turns."""
+    """When the rollouts of one batch finished (``done_s``: each rollout's own ``total_s``, p50, p90, max; engine.run
+    starts them one after another, each tokenizing its prompt first, so the last starts a little after the first)
+    and the last one's time in generation and in its environment, with its turns and generated tokens: a batch's
+    rollouts/s is its size over its last rollout's finish, so this says whether the run waited on the many or on
+    one rollout's long chain of turns."""
     slowest = rollouts[max(range(len(rollouts)), key=done_s.__getitem__)]
     done = sorted(done_s)
     return {"rollout_done_s": {"p50": round(done[len(done) // 2], 2), "p90": round(done[int(len(done) * 0.9)], 2),
@@ -145,21 +146,14 @@ def engine_run(tokenizer, generator, search_url: str, samples, params, rollout_c
         try:
             async with loop_lag_probe() as lags:
                 start = time.perf_counter()
-                done_s = [0.0] * len(samples)
-
-                async def stamped(i, sample):  # engine.run's tasks, each stamped when it finishes
-                    rollout = await engine.rollout(sample, params)
-                    done_s[i] = time.perf_counter() - start
-                    return rollout
-
-                rollouts = await asyncio.gather(*(stamped(i, s) for i, s in enumerate(samples)))
-            return rollouts, time.perf_counter() - start, lags, done_s
+                rollouts = await engine.run(samples, params)
+            return rollouts, time.perf_counter() - start, lags
         finally:
             await generator.aclose()
             await env.aclose()
 
     server_before = retriever_counts(search_url)
-    rollouts, seconds, lags, done_s = asyncio.run(main())
+    rollouts, seconds, lags = asyncio.run(main())
     statuses = {}
     for r in rollouts:
         statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
@@ -167,7 +161,8 @@ def engine_run(tokenizer, generator, search_url: str, samples, params, rollout_c
     print(f"  statuses: {statuses}; env metrics: {client}", flush=True)
     return Result("", len(rollouts), sum(sum(r.env_mask) for r in rollouts), sum(r.num_turns for r in rollouts),
                   sum(r.num_tool_calls for r in rollouts), seconds,
-                  search_split(client, server_before, retriever_counts(search_url), lags), tail(rollouts, done_s))
+                  search_split(client, server_before, retriever_counts(search_url), lags),
+                  tail(rollouts, [r.timings["total_s"] for r in rollouts]))
 
 
 LAG_PROBE_S = 0.005
