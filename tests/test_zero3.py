@@ -16,14 +16,20 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 
 
+def launch(config: str, *command: str) -> subprocess.CompletedProcess:
+    """``accelerate launch`` of ``command`` under ``accelerate_configs/<config>``, one CPU process, no mixed
+    precision: DeepSpeed's bf16 setting must match the trainer's, which is off on CPU."""
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(REPO / "accelerate_configs" / config), "--num_processes", "1", "--mixed_precision", "no",
+                           *(["--cpu"] if config == "cpu.yaml" else []), *command],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
 def update(tmp_path: Path, model: Path, config: str, *flags: str) -> subprocess.CompletedProcess:
     out = tmp_path / f"{config}.jsonl"
     out.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" /
-               config), "--num_processes", "1", "--mixed_precision", "no", *(["--cpu"] if config == "cpu.yaml" else []),
-               "-m", "benchmarks.zero3_update", "--model", str(model), "--per_device_batch", "4", "--seq", "64",
-               "--prompt", "16", "--steps", "2", "--out", str(out), *flags]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return launch(config, "-m", "benchmarks.zero3_update", "--model", str(model), "--per_device_batch", "4", "--seq",
+                  "64", "--prompt", "16", "--steps", "2", "--out", str(out), *flags)
 
 
 @pytest.mark.slow  # two launches, ~40 s
@@ -62,10 +68,7 @@ def test_the_training_entry_point_takes_a_grpo_step_under_zero3_and_saves_whole_
         "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "num_generations": 2, "max_turns": 2,
         "max_tokens_per_turn": 16, "max_rollout_tokens": 1024, "generator": "transformers",
         "search_url": retriever_url, "save_steps": 1, "report_to": "none", "warmup_steps": 0}))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "accelerate_configs" / "zero3.yaml"), "--num_processes", "1", "--mixed_precision", "no",
-               "scripts/train.py", "--config", str(config)]
-    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    run = launch("zero3.yaml", "scripts/train.py", "--config", str(config))
     assert run.returncode == 0, run.stderr[-3000:]
     state = json.loads((tmp_path / "run" / "checkpoint-1" / "trainer_state.json").read_text())
     assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1]
