@@ -219,7 +219,8 @@ def step_split(out: Path) -> str:
 def pool(sources: list[str], step: int) -> dict:
     """One recipe's runs from several batches, each source ``FOLDER:VARIANT``, compared at ``step``: per run the warm
     start and the EM there (report sample), then the gain's and the EM's mean (sd, min) over all of them. A figure
-    over more seeds than one batch holds, reproducible from the runs' files."""
+    over more seeds than one batch holds, reproducible from the runs' files. A run the collapse guard stopped before
+    ``step`` counts at the checkpoint it ended on: what the recipe gives its user at ``step``."""
     records = []
     for source in sources:
         folder, _, variant = source.rpartition(":")
@@ -229,16 +230,18 @@ def pool(sources: list[str], step: int) -> dict:
         if not found:
             raise SystemExit(f"pool: {folder} has no evaluated run of variant {variant!r}")
         for record in found:
-            if step not in record["em_by_step"]:
+            stopped = record["finished"] and record["last_step"] < step
+            if step not in record["em_by_step"] and not stopped:
                 raise SystemExit(f"pool: {folder}/{record['run']} was not evaluated at step {step} (steps "
                                  f"{sorted(record['em_by_step'])})")
             records.append((folder, record))
-    gains = [r["em_by_step"][step] - r["em"]["start"] for _, r in records]
-    ems = [r["em_by_step"][step] for _, r in records]
+    ems = [r["em_by_step"].get(step, r["em"]["chosen"]) for _, r in records]
+    gains = [em - r["em"]["start"] for (_, r), em in zip(records, ems, strict=True)]
     print(f"| run | sample | warm start | EM at step {step} | gain |\n| --- | --- | --- | --- | --- |")
-    for (folder, r), gain in zip(records, gains, strict=True):
-        print(f"| {folder}/{r['run']} | {r['sample']} | {r['em']['start']:.3f} | {r['em_by_step'][step]:.3f} | "
-              f"{gain:+.3f} |")
+    for (folder, r), em, gain in zip(records, ems, gains, strict=True):
+        ended = "" if step in r["em_by_step"] else (
+            f" (guard stop at step {r['last_step']}, ended on step {r['best_step'] or r['last_step']})")
+        print(f"| {folder}/{r['run']} | {r['sample']} | {r['em']['start']:.3f} | {em:.3f}{ended} | {gain:+.3f} |")
     pooled = {"step": step, "gain": _spread(gains), "em": _spread(ems)}
     print(f"\n{len(records)} runs at step {step}: gain {_spread_text(pooled['gain'], '+')}, EM "
           f"{_spread_text(pooled['em'])}")

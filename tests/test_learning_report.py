@@ -148,5 +148,13 @@ def test_one_recipes_runs_from_two_batches_are_pooled_at_one_step(tmp_path, caps
     assert "3 runs at step 30: gain +0.040 ± 0.020 (min +0.020), EM 0.440 ± 0.020 (min 0.420)" in printed
     with pytest.raises(SystemExit, match="sync_s0 was not evaluated at step 20"):
         pool([f"{tmp_path / 'batch2'}:sync"], step=20)
+    # A run the guard stopped at step 30 counts at step 50 with the checkpoint it ended on (step 10 here).
+    stopped = tmp_path / "batch2" / "sync_s0" / "summary.json"
+    summary = json.loads(stopped.read_text())
+    summary["best_step"] = 10
+    summary["evals"].insert(1, {"step": 10, "eval_em": 0.47, "report_em": 0.41})
+    stopped.write_text(json.dumps(summary))
+    assert pool([f"{tmp_path / 'batch2'}:sync"], step=50)["em"]["mean"] == 0.41
+    assert "| 0.410 (guard stop at step 30, ended on step 10) | +0.010 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="has no evaluated run of variant 'kl'"):
         pool([f"{tmp_path / 'batch2'}:kl"], step=30)
