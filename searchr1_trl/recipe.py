@@ -176,6 +176,12 @@ class SearchR1Config(GRPOConfig):
                           "order), evaluated beside it and logged as report_*: the figure to report, since the best "
                           "checkpoint is chosen on the first. 0: none."},
     )
+    save_validation_traces: bool = field(
+        default=True,
+        metadata={"help": "Write each validation's greedy rollouts (conversation, answer, EM, status, searches) to "
+                          "output_dir/validation_traces/step-<step>.jsonl (~2 KB a rollout): what a drop in EM or a "
+                          "collapse the guard stopped looked like."},
+    )
     eval_sample_seed: int | None = field(
         default=None,
         metadata={"help": "None: the first eval_num_samples rows in file order (the seed's slice); a seed: a seeded "

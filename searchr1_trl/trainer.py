@@ -66,7 +66,7 @@ import logging
 import os
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import datasets
@@ -408,6 +408,8 @@ class SearchR1Trainer(GRPOTrainer):
             on_trace=lambda index, trace: progress.update(), max_concurrency=self.args.generator_max_concurrency,
         ))
         progress.close()
+        if self.args.save_validation_traces:
+            self._write_validation_traces([(name, trace) for (name, _), trace in zip(local, traces, strict=True)])
         # Only what the summary needs crosses processes; the conversations stay where they were generated.
         named = gather_object([(name, replace(trace, messages=[])) for (name, _), trace in zip(local, traces,
                                                                                                 strict=True)])
@@ -427,6 +429,14 @@ class SearchR1Trainer(GRPOTrainer):
             run_dir = Path(self._get_output_dir(trial=None))
             self.state.best_model_checkpoint = str(run_dir / f"{PREFIX_CHECKPOINT_DIR}-0")
         return metrics
+
+    def _write_validation_traces(self, named: list[tuple[str, evaluation.Trace]]) -> None:
+        """This process's validation rollouts, whole, one JSON line each: the only record of what the policy wrote
+        when validation EM fell (a guard stop keeps the best checkpoint, not the one that collapsed)."""
+        rank = f"-rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
+        path = Path(self.args.output_dir) / "validation_traces" / f"step-{self.state.global_step}{rank}.jsonl"
+        _write_atomically(path, "".join(json.dumps({"sample": name, "step": self.state.global_step, **asdict(trace)})
+                                        + "\n" for name, trace in named))
 
     # ---- data, checkpoint and resume ---------------------------------------------------------------------------
 

@@ -374,6 +374,12 @@ def test_validation_is_the_agent_method_of_the_evaluation_module(tiny_model_dir,
     expected = {f"eval_{key}": value for key, value in evaluation.summarize(traces).items()}
     assert {key: value for key, value in metrics.items() if key not in ("eval_runtime", "epoch")} == expected
     assert trainer.state.log_history[-1]["eval_em"] == expected["eval_em"]
+    # Each rollout is kept whole, so a fall in EM can be read afterwards.
+    written = (tmp_path / "run" / "validation_traces" / "step-0.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in written]
+    assert [(r["sample"], r["step"], r["question"]) for r in records] == [("eval", 0, s.question)
+                                                                          for s in trainer.eval_samples]
+    assert [(r["status"], r["em"], r["messages"]) for r in records] == [(t.status, t.em, t.messages) for t in traces]
 
 
 def test_training_stops_in_one_line_when_more_than_the_allowed_fraction_of_a_steps_searches_fail():
