@@ -217,6 +217,7 @@ class SearchR1Config(GRPOConfig):
     step_timeout_s: float = knob("rollout", "step_timeout_s")
     enable_thinking: bool = knob("rollout", "enable_thinking")
     bare_json_tool_calls: bool = knob("rollout", "bare_json_tool_calls")
+    repair_tool_calls: bool = knob("rollout", "repair_tool_calls")
 
     # --- rubric ---
     exact_match_score: float = knob("exact_match", "score")

@@ -19,12 +19,12 @@ def lookup(query: str) -> dict:
 
 @pytest.fixture
 def parse(tokenizer):
-    """``parse(turn, bare_json=False)``: the message of one generated turn after a one-question prompt."""
+    """``parse(turn, bare_json=False, repair=False)``: the message of one generated turn after a one-question prompt."""
     prefix = tokenizer.apply_chat_template([{"role": "user", "content": "Question: q"}], tools=[LOOKUP_TOOL],
                                            add_generation_prompt=True, tokenize=True, return_dict=False)
 
-    def parse(turn: str, bare_json: bool = False) -> dict | None:
-        parser = response_parser(tokenizer, [LOOKUP_TOOL], bare_json_tool_calls=bare_json)
+    def parse(turn: str, bare_json: bool = False, repair: bool = False) -> dict | None:
+        parser = response_parser(tokenizer, [LOOKUP_TOOL], bare_json_tool_calls=bare_json, repair_tool_calls=repair)
         return parser(tokenizer.encode(turn), list(prefix))
 
     return parse
@@ -41,6 +41,28 @@ def test_a_template_tool_call_is_a_call_with_its_arguments(parse):
 
 def test_tool_call_json_that_does_not_parse_is_a_parse_failure(parse):
     assert parse('<tool_call>\n{"name": "lookup", "arguments": {"query": </tool_call><|im_end|>') is None
+
+
+@pytest.mark.parametrize("slip", [
+    '<tool_call>\n{"name": "lookup", "arguments": {"query": "a"}\n</tool_call>',  # "}\n sampled for "}}\n
+    '<tool_call>\n{"name": "lookup", "arguments": {"query": "a"\n</tool_call>',  # both braces missing
+    '<tool_call>\n```json\n{"name": "lookup", "arguments": {"query": "a"}}\n```\n</tool_call>',  # in a code fence
+    '<tool_call>\n{"name": "lookup", "arguments": {"query": "a"}}',  # the block left open
+    '<tool_call>\n{"name": "lookup", "arguments": {"query": "a"}\n',  # open, and a brace missing
+])
+def test_tool_call_blocks_with_the_small_models_slips_are_repaired_only_when_asked(parse, slip):
+    assert parse(slip + "<|im_end|>") is None
+    assert parse(slip + "<|im_end|>", repair=True) == {"role": "assistant", "content": "", "tool_calls": [lookup("a")]}
+
+
+@pytest.mark.parametrize("broken", [
+    '<tool_call>\n{"name": "lookup", "arguments": {"query": </tool_call>',  # cut mid-value
+    '<tool_call>\n{"name": "lookup", "arguments": {"query": "a"}}\n<tool_call>\n{"name": "lookup"}</tool_call>',
+    '<tool_call>\n{"name": "lookup", "arguments": {"query": "a"}}\n{"name": "lookup"}\n</tool_call>',  # two in one
+    '<tool_call>\n["lookup"]\n</tool_call>',
+])
+def test_tool_call_blocks_beyond_repair_still_fail_the_turn(parse, broken):
+    assert parse(broken + "<|im_end|>", repair=True) is None
 
 
 def test_a_turn_ended_by_another_stop_token_is_parsed_without_it(parse):

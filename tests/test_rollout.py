@@ -338,6 +338,19 @@ def test_bare_json_tool_calls_are_tool_calls_only_when_enabled(tokenizer):
     assert tokenizer.decode(runs(lenient, 1)[0]) == bare  # the model's own tokens, not the template's rendering
 
 
+def test_a_tool_call_block_missing_a_brace_fails_the_rollout_unless_repairs_are_on(tokenizer):
+    slip = '<tool_call>\n{"name": "lookup", "arguments": {"query": "a"}\n</tool_call><|im_end|>'
+    script = {"q": [slip, "Paris<|im_end|>"]}
+
+    [strict], _, _ = roll(tokenizer, script)
+    [repaired], _, _ = roll(tokenizer, script, RolloutConfig(repair_tool_calls=True))
+
+    assert (strict.status, strict.num_tool_calls) == (RolloutStatus.ERROR_PARSE, 0)
+    assert (repaired.status, repaired.num_tool_calls, repaired.messages[-1]["content"]) == (
+        RolloutStatus.DONE, 1, "Paris")
+    assert tokenizer.decode(runs(repaired, 1)[0]) == slip  # trained on what it wrote, slip included
+
+
 def test_config_rejects_budgets_that_cannot_work():
     with pytest.raises(ValueError, match="max_turns >= 1"):
         RolloutConfig(max_turns=0)

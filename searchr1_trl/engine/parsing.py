@@ -7,11 +7,16 @@ to None as ``ERROR_PARSE``. A message is ``{"role": "assistant", "content": str}
 ``"reasoning_content"`` when the template separates thinking. Three readers, in this order:
 
 1. **The tokenizer's response parser**, with TRL's response schema for the chat templates TRL knows (Qwen2.5/3,
-   Llama 3, ...), set on the tokenizer as ``GRPOTrainer`` does. Tool-call JSON it cannot read is a parse failure.
+   Llama 3, ...), set on the tokenizer as ``GRPOTrainer`` does. Tool-call JSON it cannot read is a parse failure,
+   unless ``repair_tool_calls``: then the turn is read again as reader 2 reads it, with repairs.
    Special tokens other than a final eos are dropped first (a turn ended by Qwen's ``<|endoftext|>``, a
    ``<|fim_middle|>`` written mid-answer), so no message content ever holds one.
 2. **Hermes ``<tool_call>`` blocks** (:func:`parse_tool_call_blocks`) on the decoded text, for templates neither
-   transformers nor TRL knows. An unclosed block or one that is not a JSON object is a parse failure.
+   transformers nor TRL knows. An unclosed block or one that is not a JSON object is a parse failure. With
+   ``repair_tool_calls`` (opt-in) a block gets the repairs reader 3 makes (code fences, one or two closing braces
+   missing), and a last block left open at the end of the turn is closed. A model fine-tuned on the template's
+   blocks (the warm start) writes ``"}}\n`` as one token: sampling ``}\n`` instead is one token away, and without
+   the repair it fails the whole rollout.
 3. **Bare JSON calls** (opt-in, ``bare_json_tool_calls``), applied to a message the first two read without tool
    calls: content that is nothing but ``{"name": ..., "arguments": {...}}`` objects, one per line, is read as those
    calls. Small models (Qwen2.5-Coder-0.5B-Instruct) call tools this way; the two slips they make (Markdown code
@@ -44,12 +49,15 @@ MAX_ARGUMENT_DEPTH = 32
 _UNREADABLE = (ValueError, RecursionError)
 
 
-def response_parser(tokenizer, tools: list[dict], bare_json_tool_calls: bool = False) -> Parser:
+def response_parser(tokenizer, tools: list[dict], bare_json_tool_calls: bool = False,
+                    repair_tool_calls: bool = False) -> Parser:
     """``parse(generated_ids, prefix_ids) -> assistant message | None`` (None: the turn cannot be parsed).
 
     Uses the tokenizer's response parser, with TRL's response template for chat templates it knows (Qwen2.5/3,
     Llama 3, ...); chat templates neither knows get :func:`parse_tool_call_blocks` on the decoded text. With
-    ``bare_json_tool_calls``, a parsed message without tool calls goes through :func:`_bare_json_tool_call`.
+    ``repair_tool_calls``, a turn the first reader cannot read is read again by :func:`parse_tool_call_blocks` with
+    its repairs. With ``bare_json_tool_calls``, a parsed message without tool calls goes through
+    :func:`_bare_json_tool_call`.
     """
     parse = _template_parser(tokenizer, tools)
     tool_names = {tool["function"]["name"] for tool in tools}
@@ -57,6 +65,8 @@ def response_parser(tokenizer, tools: list[dict], bare_json_tool_calls: bool = F
     def parse_turn(ids: list[int], prefix: list[int]) -> dict | None:
         try:
             message = parse(ids, prefix)
+            if message is None and repair_tool_calls:
+                message = parse_tool_call_blocks(tokenizer.decode(ids, skip_special_tokens=True), repair=True)
             if message is not None and bare_json_tool_calls:
                 message = _bare_json_tool_call(message, tool_names)
         except _UNREADABLE:
@@ -247,13 +257,18 @@ _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def parse_tool_call_blocks(text: str) -> dict | None:
+def parse_tool_call_blocks(text: str, repair: bool = False) -> dict | None:
     """Hermes-style ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks, for templates TRL doesn't know.
 
     ``'Hi<tool_call>{"name": "f", "arguments": {}}</tool_call>'`` -> content ``"Hi"`` and one call of ``f``;
-    an unclosed ``<tool_call>`` or a block that is not a JSON object -> None.
+    an unclosed ``<tool_call>`` or a block that is not a JSON object -> None. With ``repair``, a last block open at
+    the end of the text is closed and a block's JSON gets :func:`_loads_calls`' repairs:
+    ``'<tool_call>{"name": "f", "arguments": {"q": 1}</tool_call>'`` -> one call of ``f`` with ``{"q": 1}``.
     """
     text = _THINK.sub("", text)
+    if repair and text.count("<tool_call>") == text.count("</tool_call>") + 1 and \
+            text.rfind("<tool_call>") > text.rfind("</tool_call>"):
+        text = text.rstrip() + "</tool_call>"
     blocks = _TOOL_CALL.findall(text)
     if len(blocks) != text.count("<tool_call>"):
         return None
@@ -262,7 +277,10 @@ def parse_tool_call_blocks(text: str) -> dict | None:
         try:
             call = json.loads(block)
         except _UNREADABLE:
-            return None
+            values = _loads_calls(block) if repair else None
+            if not values or len(values) != 1:
+                return None
+            call = values[0]
         if not isinstance(call, dict):
             return None
         function = {"name": call.get("name"), "arguments": call.get("arguments", {})}

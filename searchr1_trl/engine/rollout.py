@@ -138,6 +138,14 @@ class RolloutConfig:
     enable_thinking: bool = field(
         default=False, metadata={"help": "Passed to chat templates that accept it (Qwen3); others ignore it."}
     )
+    repair_tool_calls: bool = field(
+        default=False,
+        metadata={
+            "help": "Repair a tool call in the chat template's <tool_call> blocks whose JSON misses one or two closing "
+            "braces (or sits in code fences), or whose last block is left open, instead of failing the rollout "
+            "(error_parse); searchr1_trl/engine/parsing.py, reader 2."
+        },
+    )
     bare_json_tool_calls: bool = field(
         default=False,
         metadata={
@@ -192,7 +200,8 @@ class RolloutEngine:
         self.envs = envs
         self.config = config or RolloutConfig()
         self._chat_template = _prefix_preserving_chat_template(tokenizer)
-        self._parse = response_parser(tokenizer, envs.tools, bare_json_tool_calls=self.config.bare_json_tool_calls)
+        self._parse = response_parser(tokenizer, envs.tools, bare_json_tool_calls=self.config.bare_json_tool_calls,
+                                      repair_tool_calls=self.config.repair_tool_calls)
         self._split_at = _split_tokens(tokenizer)
         self._text_cut = _tokenizes_alone(tokenizer, self._split_at)
         # Texts recur across a GRPO group: its rollouts start from one prompt, and most make the same search, so
