@@ -220,7 +220,7 @@ def pool(sources: list[str], step: int) -> dict:
     """One recipe's runs from several batches, each source ``FOLDER:VARIANT``, compared at ``step``: per run the warm
     start and the EM there (report sample), then the gain's and the EM's mean (sd, min) over all of them. A figure
     over more seeds than one batch holds, reproducible from the runs' files. A run the collapse guard stopped before
-    ``step`` counts at the checkpoint it ended on: what the recipe gives its user at ``step``."""
+    ``step`` counts at the checkpoint it ended on (it has no later model), and the row says so."""
     records = []
     for source in sources:
         folder, _, variant = source.rpartition(":")

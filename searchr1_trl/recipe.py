@@ -179,7 +179,7 @@ class SearchR1Config(GRPOConfig):
     save_validation_traces: bool = field(
         default=True,
         metadata={"help": "Write each validation's greedy rollouts (conversation, answer, EM, status, searches) to "
-                          "output_dir/validation_traces/step-<step>.jsonl (~2 KB a rollout): what a drop in EM or a "
+                          "output_dir/validation_traces/step-<step>.jsonl (a few KB a rollout): what a drop in EM or a "
                           "collapse the guard stopped looked like."},
     )
     eval_sample_seed: int | None = field(
