@@ -124,6 +124,13 @@ def test_a_rerun_with_other_policy_settings_is_refused_instead_of_mixing_traces(
     eval_cli.main([*args, "--num_samples", "2"])  # a larger sample of the same settings extends the table
     with pytest.raises(SystemExit, match=r"holds traces made with other settings \(topk 3 -> 5\)"):
         eval_cli.main([*args, "--topk", "5"])
+    # A folder written before a setting existed was made at its default: a rerun at the default extends it.
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps({k: v for k, v in json.loads(settings.read_text()).items()
+                                    if k != "repair_tool_calls"}))
+    eval_cli.main([*args, "--num_samples", "2"])
+    with pytest.raises(SystemExit, match=r"other settings \(repair_tool_calls False -> True\)"):
+        eval_cli.main([*args, "--repair_tool_calls", "true"])
     assert len((tmp_path / "traces.jsonl").read_text().splitlines()) == 2 * 2
 
 

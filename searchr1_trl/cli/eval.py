@@ -43,7 +43,7 @@ import logging
 import os
 import sys
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from searchr1_trl import evaluation
@@ -182,10 +182,11 @@ def _check_settings(path: Path, settings: dict) -> None:
     """Record how the traces in this folder are made; ValueError when a rerun would mix in traces made otherwise.
 
     Checkpoints, methods, data files and sample sizes may change between runs (the table collects them); the sample
-    seed and the policy's settings (retriever, top-k, budgets, prompt switches) may not.
+    seed and the policy's settings (retriever, top-k, budgets, prompt switches) may not. A setting added after the
+    folder was written was made at its default.
     """
     if path.exists():
-        recorded = json.loads(path.read_text())
+        recorded = {**{f.name: f.default for f in fields(PolicyConfig)}, **json.loads(path.read_text())}
         changed = {k: (recorded.get(k), v) for k, v in settings.items() if recorded.get(k) != v}
         if changed:
             described = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
