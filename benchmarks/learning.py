@@ -182,11 +182,41 @@ def report(out: Path, baseline: str | None = None) -> dict:
               f"{fmt(r['train_runtime_s'], 1)} |")
     print()
     print(variant_table(table, baseline))
-    speed = step_split(out)
-    if speed:
-        print()
-        print(speed)
+    for split in (step_split(out), rollout_endings(out)):
+        if split:
+            print()
+            print(split)
     return table
+
+
+def rollout_endings(out: Path) -> str:
+    """How each run's training rollouts ended, from its ``log_history.csv``: one Markdown row per run with the mean
+    over its steps of each ``rollout/status_*`` fraction any run logged (done, error_parse, truncated_*, ...), the
+    first-half and second-half means of ``error_parse`` beside them: a lever on the parser (``repair``) shows here
+    first. "" when no run logged them."""
+    runs_logged = {}
+    for folder in sorted(p for p in out.iterdir() if (p / "log_history.csv").exists()):
+        with open(folder / "log_history.csv", newline="") as f:
+            rows = [row for row in csv.DictReader(f) if row.get("rollout/status_done")]
+        if rows:
+            runs_logged[folder.name] = rows
+    statuses = sorted({key for rows in runs_logged.values() for key in rows[0] if key.startswith("rollout/status_")})
+    if not statuses:
+        return ""
+
+    def mean(rows: list[dict], key: str) -> str:
+        values = [float(row[key]) for row in rows if row.get(key)]
+        return f"{statistics.mean(values):.3f}" if values else "-"
+
+    lines = []
+    for name, rows in runs_logged.items():
+        half = len(rows) // 2
+        parse = "rollout/status_error_parse"
+        lines.append(f"| {name} | {len(rows)} | " + " | ".join(mean(rows, key) for key in statuses) +
+                     f" | {mean(rows[:half], parse)} | {mean(rows[half:], parse)} |")
+    names = [key.removeprefix("rollout/status_") for key in statuses]
+    return "\n".join([f"| run | steps | {' | '.join(names)} | error_parse, first half | error_parse, second half |",
+                      "| --- " * (len(names) + 4) + "|", *lines])
 
 
 def step_split(out: Path) -> str:

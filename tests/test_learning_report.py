@@ -57,6 +57,19 @@ def test_the_report_splits_each_runs_steps_and_shows_a_compile_warm_up_apart_fro
     assert "eager_s0 |" not in split and "older_s0 |" not in split  # no log, or no split in it: no row
 
 
+def test_the_report_gives_how_each_runs_training_rollouts_ended(tmp_path, capsys):
+    finished_run(tmp_path, "repair", 0, 100.0, 0.44)
+    finished_run(tmp_path, "older", 0, 100.0, 0.44)  # no log: no row
+    rows = ["step,rollout/status_done,rollout/status_error_parse,eval_em", "0,,,0.40",
+            "1,0.90,0.10,", "2,0.94,0.06,", "3,0.98,0.02,", "4,1.00,0.00,", "4,,,0.45"]
+    (tmp_path / "repair_s0" / "log_history.csv").write_text("\n".join(rows) + "\n")
+    report(tmp_path)
+    printed = capsys.readouterr().out
+    assert "| run | steps | done | error_parse | error_parse, first half | error_parse, second half |" in printed
+    assert "| repair_s0 | 4 | 0.955 | 0.045 | 0.080 | 0.010 |" in printed
+    assert "| older_s0 |" not in printed.split("| error_parse, second half |")[1]
+
+
 def test_a_baseline_that_has_not_run_yet_leaves_the_speedup_out(tmp_path, capsys):
     finished_run(tmp_path, "async", 0, 80.0, 0.43)
     report(tmp_path, baseline="sync")
