@@ -182,6 +182,12 @@ class SearchR1Config(GRPOConfig):
                           "output_dir/validation_traces/step-<step>.jsonl (a few KB a rollout): what a drop in EM or a "
                           "collapse the guard stopped looked like."},
     )
+    save_parse_failures: bool = field(
+        default=True,
+        metadata={"help": "Append each training rollout that ended as error_parse (its question and the turn the "
+                          "parser refused) to output_dir/parse_failures.jsonl: what 5-8% of the offline GPU recipe's "
+                          "training rollouts lose their reward to."},
+    )
     eval_sample_seed: int | None = field(
         default=None,
         metadata={"help": "None: the first eval_num_samples rows in file order (the seed's slice); a seed: a seeded "

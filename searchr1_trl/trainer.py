@@ -342,6 +342,21 @@ class SearchR1Trainer(GRPOTrainer):
             metrics[key].append(value)
         if mode == "train":
             self._stop_on_search_outage(env_metrics["search/failures"], env_metrics["search/searches"])
+            if self.args.save_parse_failures:
+                self._write_parse_failures([r for r in rollouts if r.status == RolloutStatus.ERROR_PARSE])
+
+    def _write_parse_failures(self, failed: list[Rollout]) -> None:
+        """Append this process's unparsed training turns to ``parse_failures.jsonl``: the rates say how often the
+        parser refuses a turn, only the texts say which slip it was."""
+        if not failed:
+            return
+        rank = f"-rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
+        path = Path(self.args.output_dir) / f"parse_failures{rank}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            for rollout in failed:
+                f.write(json.dumps({"step": self.state.global_step, "question": rollout.sample.question,
+                                    "turn": rollout.num_turns, "text": rollout.messages[-1].get("content")}) + "\n")
 
     def _stop_on_search_outage(self, failures: float, searches: float) -> None:
         """:class:`SearchOutage` when more than ``max_failed_search_fraction`` of this step's searches, over every
