@@ -345,13 +345,19 @@ class SearchR1Trainer(GRPOTrainer):
             if self.args.save_parse_failures:
                 self._write_parse_failures([r for r in rollouts if r.status == RolloutStatus.ERROR_PARSE])
 
+    def _process_file(self, name: str) -> Path:
+        """``output_dir/name``, suffixed ``-rank<i>`` under several processes: each writes what it generated."""
+        path = Path(self.args.output_dir) / name
+        if self.accelerator.num_processes > 1:
+            path = path.with_name(f"{path.stem}-rank{self.accelerator.process_index}{path.suffix}")
+        return path
+
     def _write_parse_failures(self, failed: list[Rollout]) -> None:
         """Append this process's unparsed training turns to ``parse_failures.jsonl``: the rates say how often the
         parser refuses a turn, only the texts say which slip it was."""
         if not failed:
             return
-        rank = f"-rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
-        path = Path(self.args.output_dir) / f"parse_failures{rank}.jsonl"
+        path = self._process_file("parse_failures.jsonl")
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             for rollout in failed:
@@ -448,8 +454,7 @@ class SearchR1Trainer(GRPOTrainer):
     def _write_validation_traces(self, named: list[tuple[str, evaluation.Trace]]) -> None:
         """This process's validation rollouts, whole, one JSON line each: the only record of what the policy wrote
         when validation EM fell (a guard stop keeps the best checkpoint, not the one that collapsed)."""
-        rank = f"-rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
-        path = Path(self.args.output_dir) / "validation_traces" / f"step-{self.state.global_step}{rank}.jsonl"
+        path = self._process_file(f"validation_traces/step-{self.state.global_step}.jsonl")
         _write_atomically(path, "".join(json.dumps({"sample": name, "step": self.state.global_step, **asdict(trace)})
                                         + "\n" for name, trace in named))
 
