@@ -34,9 +34,11 @@
 #                                              # no-search penalty of 0.1), clip20 (symmetric clipping), warmup10 (10
 #                                              # warmup steps), steps80 (80 GRPO steps instead of 50; alone, 3 runs,
 #                                              # 18 min), repair (tool-call blocks missing a brace repaired, not
-#                                              # error_parse), pages (a second search reads unseen passages),
+#                                              # error_parse), close (a whole call left unclosed is closed by the
+#                                              # engine), topp95 (top_p 0.95 for training rollouts), pages (a
+#                                              # second search reads unseen passages),
 #                                              # pages4 (pages, its second-search traces taught 4 times);
-#                                              # default "pages pages4": 3 seeds each side by side (two levers,
+#                                              # default "close topp95": 3 seeds each side by side (two levers,
 #                                              # six runs, fill one H200)
 #   bash benchmarks/gpu_path.sh async_e2e "<modes>" [gpu]  # offline_gpu, 3 seeds of each mode side by side; modes
 #                                              # of sync, async, async pausing in-flight rollouts for a push (pause),
@@ -75,9 +77,12 @@ variant_flags() {
     warmup10) echo "--warmup_steps 10 --weight_sync ipc" ;;  # 10 warmup steps instead of 2
     steps80) echo "--max_steps 80 --weight_sync ipc" ;;  # the recipe's six runs gained +0.034 / +0.041 / +0.045 at
       # steps 30 / 40 / 50: still rising
-    repair) echo "--repair_tool_calls true --weight_sync ipc" ;;  # training turns end as error_parse 3-9% of the
-      # time, and a greedy policy with 29% of them collapsed (steps80 seed 1): the warm start writes "}}\n as one
-      # token, so a call missing its brace is one sampled token away
+    repair) echo "--repair_tool_calls true --weight_sync ipc" ;;  # blocks missing a brace repaired: 0 of the 988
+      # refused training turns of the g16 and repair runs were that slip (docs/results/learning.md)
+    close) echo "--close_tool_calls true --weight_sync ipc" ;;  # 900 of those 988 turns hold a whole call that the
+      # next sampled token fails to close; the engine cuts the turn after its JSON and closes it
+    topp95) echo "--top_p 0.95 --weight_sync ipc" ;;  # the same slips are tokens of the vocabulary's tail at
+      # temperature 1: nucleus sampling drops the tail everywhere, validation stays greedy
     pages) echo "--exclude_seen_passages true --warm_start_second_search true --weight_sync ipc" ;;  # searching
       # again reads the next passages, and the warm start shows it where the first search missed the gold
     pages4) echo "--exclude_seen_passages true --warm_start_second_search true --warm_start_second_search_repeats 4" \
@@ -87,7 +92,7 @@ variant_flags() {
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
     *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, eager, compiled, packed, compiled_packed," \
          "async_compiled_packed," \
-         "top1, g16, nosearch, clip20, warmup10, steps80, repair, pages, pages4 or q15" >&2
+         "top1, g16, nosearch, clip20, warmup10, steps80, repair, close, topp95, pages, pages4 or q15" >&2
        return 2 ;;
   esac
 }
@@ -172,7 +177,7 @@ case "${1:?step}" in
     # into learning_levers_gpu1
     gpu=${3:-0} out=learning_levers
     [ "$gpu" = 0 ] || out+=_gpu$gpu
-    seeded_batch "$out" "${2:-pages pages4}" --kv_cache_gib 2 --gpu "$gpu" --base_port $((8100 + 100 * gpu)) ;;
+    seeded_batch "$out" "${2:-close topp95}" --kv_cache_gib 2 --gpu "$gpu" --base_port $((8100 + 100 * gpu)) ;;
   eval_table)  # the retriever on that GPU's host, each checkpoint in-process on that GPU
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \

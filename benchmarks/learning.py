@@ -4,6 +4,7 @@
         --variant kl="--beta 0.04" [--gpu 0] [--kv_cache_gib 3]     # every variant x every seed, all at once
     python -m benchmarks.learning report runs/learning              # the table again, from the runs' summary.json
     python -m benchmarks.learning pool --step 50 runs/a:kl runs/b:sync  # one recipe's runs from several batches
+    python -m benchmarks.learning failures runs/learning/*_s0           # refused training turns, by kind
     # synchronous against asynchronous rollouts, speed and EM in one table: one batch of seeds per mode (equal GPU
     # sharing within a batch), both into the same --out
     python -m benchmarks.learning run --out runs/async --seeds 0 1 2 --variant sync=
@@ -32,6 +33,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from searchr1_trl.assets import MODEL, cache_dir
+from searchr1_trl.engine.parsing import tool_call_end
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -278,6 +282,55 @@ def pool(sources: list[str], step: int) -> dict:
     return pooled
 
 
+FAILURE_KINDS = ("whole call, then <tool_call>", "whole call, then other text", "a slip before or inside the JSON",
+                 "no block")
+
+
+def failure_kind(text: str) -> str:
+    """Which slip a refused training turn (``parse_failures.jsonl``'s text) is: one of :data:`FAILURE_KINDS`."""
+    if (end := tool_call_end(text)) is not None:
+        return FAILURE_KINDS[0] if text[end:].lstrip().startswith("<tool_call>") else FAILURE_KINDS[1]
+    return FAILURE_KINDS[2] if "<tool_call>" in text else FAILURE_KINDS[3]
+
+
+def failures(folders: list[Path], model: str) -> dict[str, dict[str, int]]:
+    """Each run's refused training turns by kind, and how many ``close_tool_calls`` would have read as calls: the
+    text re-tokenized with ``model``'s tokenizer and its eos token, closed by the engine's rule and parsed as
+    training parses it (the file keeps decoded text, not ids, so this is the rule on the same text). Prints one
+    Markdown row per run and the total."""
+    from transformers import AutoTokenizer
+
+    from searchr1_trl.engine.parsing import response_parser
+    from searchr1_trl.engine.rollout import close_tool_call
+    from searchr1_trl.search_r1.env import SEARCH_TOOL
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    parse = response_parser(tokenizer, [SEARCH_TOOL])
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tools=[SEARCH_TOOL],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    table = {}
+    for folder in folders:
+        path = folder / "parse_failures.jsonl"
+        if not path.exists():
+            raise SystemExit(f"failures: {folder} has no parse_failures.jsonl")
+        texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+        row = dict.fromkeys(FAILURE_KINDS, 0) | {"turns": len(texts), "closed": 0}
+        for text in texts:
+            row[failure_kind(text)] += 1
+            closed = close_tool_call(tokenizer, [*tokenizer.encode(text, add_special_tokens=False),
+                                                 tokenizer.eos_token_id])
+            message = closed and parse(closed[0], list(prompt))
+            row["closed"] += bool(message and message.get("tool_calls"))
+        table[folder.name] = row
+    table["all"] = {key: sum(row[key] for row in table.values()) for key in ("turns", *FAILURE_KINDS, "closed")}
+    print("| run | refused turns | " + " | ".join(FAILURE_KINDS) + " | read with close_tool_calls |")
+    print("| --- " * (len(FAILURE_KINDS) + 3) + "|")
+    for name, row in table.items():
+        print(f"| {name} | {row['turns']} | " + " | ".join(str(row[kind]) for kind in FAILURE_KINDS) +
+              f" | {row['closed']} |")
+    return table
+
+
 def variant_table(table: dict, baseline: str | None = None) -> str:
     """One Markdown row per variant, each figure a mean ± sd (min) over seeds on its sample: EM of the warm start, the
     last step and the chosen checkpoint, and GRPO's gain over the warm start at both (what issue 22's goal reads);
@@ -322,6 +375,10 @@ def main() -> None:
     pooled = sub.add_parser("pool", help="one recipe's runs from several batches, at one step")
     pooled.add_argument("sources", nargs="+", help="FOLDER:VARIANT (repeat), e.g. runs/async_e2e:sync_ipc")
     pooled.add_argument("--step", type=int, required=True, help="the step every run was evaluated at")
+    failed = sub.add_parser("failures", help="runs' refused training turns by kind (parse_failures.jsonl)")
+    failed.add_argument("runs", nargs="+", type=Path, help="run folders holding parse_failures.jsonl")
+    failed.add_argument("--model", default=str(MODEL.folder(cache_dir())),
+                        help="whose tokenizer re-tokenizes the texts (the runs' model; the offline asset by default)")
     for command in (run, rep):
         command.add_argument("--baseline", default=None,
                              help="the variant the speedup is over (a speed comparison; none without it)")
@@ -330,6 +387,8 @@ def main() -> None:
         if not args.variant:
             parser.error("give at least one --variant NAME=\"flags\"")
         launch(args)
+    elif args.command == "failures":
+        failures(args.runs, args.model)
     elif args.command == "pool":
         pool(args.sources, args.step)
     else:

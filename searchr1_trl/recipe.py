@@ -224,6 +224,7 @@ class SearchR1Config(GRPOConfig):
     enable_thinking: bool = knob("rollout", "enable_thinking")
     bare_json_tool_calls: bool = knob("rollout", "bare_json_tool_calls")
     repair_tool_calls: bool = knob("rollout", "repair_tool_calls")
+    close_tool_calls: bool = knob("rollout", "close_tool_calls")
 
     # --- rubric ---
     exact_match_score: float = knob("exact_match", "score")

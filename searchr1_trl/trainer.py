@@ -335,6 +335,7 @@ class SearchR1Trainer(GRPOTrainer):
             metrics[f"rollout/status_{status.value}"].append(statuses[status] / len(rollouts))
         metrics["rollout/searches_per_rollout"].append(sum(r.num_tool_calls for r in rollouts) / len(rollouts))
         metrics["rollout/turns_per_rollout"].append(sum(r.num_turns for r in rollouts) / len(rollouts))
+        metrics["rollout/closed_turns_per_rollout"].append(sum(r.closed_turns for r in rollouts) / len(rollouts))
         metrics["rollout/generated_tokens"].append(sum(sum(r.env_mask) for r in rollouts))
         metrics["rollout/time_s"].append(seconds)
         env_metrics = self.envs.metrics()

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks.learning import pool, report
+from benchmarks.learning import failures, pool, report
 
 
 def finished_run(out, variant, seed, runtime, em_last, report_sample=True):
@@ -171,3 +171,24 @@ def test_one_recipes_runs_from_two_batches_are_pooled_at_one_step(tmp_path, caps
     assert "| 0.410 (guard stop at step 30, ended on step 10) | +0.010 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="has no evaluated run of variant 'kl'"):
         pool([f"{tmp_path / 'batch2'}:kl"], step=30)
+
+
+def test_failures_counts_each_refused_turn_by_kind_and_what_closing_calls_would_read(tmp_path, offline_assets,
+                                                                                     capsys):
+    call = '<tool_call>\n{"name": "search", "arguments": {"query": "q"}}\n'
+    texts = [call + "<tool_call>", call + "\u0e2a\u0e27\u0e31\u0e2a", call + "search</tool_call>",
+             "</tool_call>\n" + call.removeprefix("<tool_call>\n") + "<tool_call>", "Paris"]
+    for name, kept in (("a_s0", texts), ("a_s1", texts[:1])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "parse_failures.jsonl").write_text(
+            "".join(json.dumps({"step": 0, "question": "q", "turn": 1, "text": text}) + "\n" for text in kept))
+
+    table = failures([tmp_path / "a_s0", tmp_path / "a_s1"], offline_assets.model)
+
+    assert table["a_s0"] == {"turns": 5, "whole call, then <tool_call>": 1, "whole call, then other text": 2,
+                             "a slip before or inside the JSON": 1, "no block": 1, "closed": 3}
+    assert table["all"]["turns"] == 6 and table["all"]["closed"] == 4
+    assert "| all | 6 | 2 | 2 | 1 | 1 | 4 |" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"empty has no parse_failures\.jsonl"):
+        failures([tmp_path / "empty"], offline_assets.model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import LOOKUP_TOOL, template_tokenizer
 
-from searchr1_trl.engine.parsing import parse_tool_call_blocks, response_parser
+from searchr1_trl.engine.parsing import parse_tool_call_blocks, response_parser, tool_call_end
 
 
 def lookup(query: str) -> dict:
@@ -63,6 +63,28 @@ def test_tool_call_blocks_with_the_small_models_slips_are_repaired_only_when_ask
 ])
 def test_tool_call_blocks_beyond_repair_still_fail_the_turn(parse, broken):
     assert parse(broken + "<|im_end|>", repair=True) is None
+
+
+CALL = '{"name": "lookup", "arguments": {"query": "a"}}'
+
+
+@pytest.mark.parametrize(("text", "end"), [
+    (f"<tool_call>\n{CALL}\n<tool_call>", 12 + len(CALL)),  # the closing tag written as an opening one
+    (f"<tool_call>\n{CALL}\n\u0e2a\u0e27\u0e31\u0e2a", 12 + len(CALL)),  # a token of the vocabulary's tail
+    (f"<tool_call>\n{CALL}\nsearch</tool_call>", 12 + len(CALL)),  # stray text before the closing tag
+    (f"Let me check.\n<tool_call>\n{CALL}\n<tool_call>", 26 + len(CALL)),
+    (f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n<tool_call>", 38 + 2 * len(CALL)),
+    (f"<think>a <tool_call> b</think>\n<tool_call>{CALL}<tool_call>", 42 + len(CALL)),
+    (f"<tool_call>\n{CALL}\n</tool_call>", None),  # closed: nothing to cut
+    (f"<tool_call>\n{CALL[:-1]}\n<tool_call>", None),  # the JSON is not whole
+    ('<tool_call>\n"lookup"\n<tool_call>', None),  # not an object
+    (f"{CALL}\n<tool_call>", None),  # no block before the JSON
+    ("Paris", None),
+])
+def test_tool_call_end_is_where_a_whole_unclosed_call_ends(text, end):
+    assert tool_call_end(text) == end
+    if end is not None:
+        assert text[:end].endswith(CALL)
 
 
 def test_a_turn_ended_by_another_stop_token_is_parsed_without_it(parse):

@@ -351,6 +351,35 @@ def test_a_tool_call_block_missing_a_brace_fails_the_rollout_unless_repairs_are_
     assert tokenizer.decode(runs(repaired, 1)[0]) == slip  # trained on what it wrote, slip included
 
 
+@pytest.mark.parametrize("after", ["<tool_call>", "\u0e2a\u0e27\u0e31\u0e2a", "search</tool_call>"])
+def test_a_whole_call_not_closed_after_its_json_is_closed_by_the_engine_only_when_asked(tokenizer, after):
+    written = '<tool_call>\n{"name": "lookup", "arguments": {"query": "a"}}\n'
+    script = {"q": [written + after + "<|im_end|>", "Paris<|im_end|>"]}
+
+    [strict], _, _ = roll(tokenizer, script)
+    [closed], generator, env = roll(tokenizer, script, RolloutConfig(close_tool_calls=True))
+
+    assert (strict.status, strict.num_tool_calls, strict.closed_turns) == (RolloutStatus.ERROR_PARSE, 0, 0)
+    assert (closed.status, closed.num_tool_calls, closed.closed_turns) == (RolloutStatus.DONE, 1, 1)
+    assert closed.messages[1]["tool_calls"] == [LOOKUP_CALL] and env.stepped[0] == closed.messages[1]
+    model, environment = runs(closed, 1), runs(closed, 0)
+    assert tokenizer.decode(model[0]) == written  # trained on the call as written, up to its JSON; the rest dropped
+    assert tokenizer.decode(environment[0]).startswith("</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>")
+    kept = len(model[0])
+    assert closed.logprobs[:kept] == generator.calls["q"][0][2].logprobs[:kept]
+    assert closed.logprobs[kept:kept + len(environment[0])] == [0.0] * len(environment[0])
+    # the second turn was generated after exactly the tokens the rollout records
+    second_prompt = generator.calls["q"][1][0]
+    assert second_prompt == closed.prompt_ids + closed.completion_ids[:len(second_prompt) - len(closed.prompt_ids)]
+    assert tokenizer.decode(second_prompt).endswith("result for a\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_closing_leaves_a_call_whose_json_is_not_whole_an_error(tokenizer):
+    script = {"q": ['<tool_call>\n{"name": "lookup", "arguments": {"query": "a"\n<tool_call><|im_end|>']}
+    [rollout], _, _ = roll(tokenizer, script, RolloutConfig(close_tool_calls=True))
+    assert (rollout.status, rollout.closed_turns) == (RolloutStatus.ERROR_PARSE, 0)
+
+
 def test_config_rejects_budgets_that_cannot_work():
     with pytest.raises(ValueError, match="max_turns >= 1"):
         RolloutConfig(max_turns=0)

@@ -382,8 +382,8 @@ def test_validation_is_the_agent_method_of_the_evaluation_module(tiny_model_dir,
     assert [(r["status"], r["em"], r["messages"]) for r in records] == [(t.status, t.em, t.messages) for t in traces]
 
 
-def test_training_rollouts_the_parser_refused_are_kept_with_their_text(tiny_model_dir, questions_file, retriever_url,
-                                                                        tmp_path):
+def test_refused_training_turns_are_kept_with_their_text_and_closed_calls_counted(tiny_model_dir, questions_file,
+                                                                                     retriever_url, tmp_path):
     from types import SimpleNamespace
 
     from searchr1_trl.engine.rollout import Rollout, RolloutStatus
@@ -391,15 +391,16 @@ def test_training_rollouts_the_parser_refused_are_kept_with_their_text(tiny_mode
     args = small_config(tmp_path, questions_file, retriever_url, generator="transformers")
     trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args)
     sample = SimpleNamespace(question="Who wrote it?", golden_answers=["Ann"])
-    slip = '<tool_call>\n{"name": "search", "arguments": {"query": "a"}\n</tool_call>'
+    slip = '<tool_call>\n{"name": "search", "arguments": {"query": "a"}}\n<tool_call>'  # as written on the GPU
 
-    def rollout(status, text):
+    def rollout(status, text, closed_turns=0):
         return Rollout(sample=sample, messages=[{"role": "user", "content": "q"}, {"role": "assistant",
                        "content": text}], prompt_ids=[1], completion_ids=[2], env_mask=[1], logprobs=[0.0],
-                       status=status, num_turns=1, num_tool_calls=0, timings={})
+                       status=status, num_turns=1, num_tool_calls=0, closed_turns=closed_turns, timings={})
 
-    trainer._log_rollouts("train", [rollout(RolloutStatus.ERROR_PARSE, slip), rollout(RolloutStatus.DONE, "Paris")],
+    trainer._log_rollouts("train", [rollout(RolloutStatus.ERROR_PARSE, slip), rollout(RolloutStatus.DONE, "Paris", 1)],
                           1.0)
+    assert trainer._metrics["train"]["rollout/closed_turns_per_rollout"] == [0.5]  # the engine closed one call of two
     trainer._log_rollouts("eval", [rollout(RolloutStatus.ERROR_PARSE, slip)], 1.0)  # validation keeps its own traces
     lines = (tmp_path / "run" / "parse_failures.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [{"step": 0, "question": sample.question, "turn": 1, "text": slip}]

@@ -14,9 +14,11 @@ to None as ``ERROR_PARSE``. A message is ``{"role": "assistant", "content": str}
 2. **Hermes ``<tool_call>`` blocks** (:func:`parse_tool_call_blocks`) on the decoded text, for templates neither
    transformers nor TRL knows. An unclosed block or one that is not a JSON object is a parse failure. With
    ``repair_tool_calls`` (opt-in) a block gets the repairs reader 3 makes (code fences, one or two closing braces
-   missing), and a last block left open at the end of the turn is closed. A model fine-tuned on the template's
-   blocks (the warm start) writes ``"}}\n`` as one token: sampling ``}\n`` instead is one token away, and without
-   the repair it fails the whole rollout.
+   missing), and a last block left open at the end of the turn is closed. The slip a warm-started model makes at
+   temperature 1 is another one: the call's JSON is whole, and the token after it is not ``</tool_call>`` (a second
+   ``<tool_call>``, or any token of the vocabulary's tail; 904 of the 988 turns refused in six GPU runs,
+   ``docs/results/learning.md``). :func:`tool_call_end` finds where such a call ends; the rollout engine's
+   ``close_tool_calls`` cuts the turn there and closes the block itself.
 3. **Bare JSON calls** (opt-in, ``bare_json_tool_calls``), applied to a message the first two read without tool
    calls: content that is nothing but ``{"name": ..., "arguments": {...}}`` objects, one per line, is read as those
    calls. Small models (Qwen2.5-Coder-0.5B-Instruct) call tools this way; the two slips they make (Markdown code
@@ -251,6 +253,32 @@ def _bare_json_tool_call(message: dict, tool_names: set[str]) -> dict:
     if not calls or None in calls:
         return message
     return {**message, "content": "", "tool_calls": calls}
+
+
+def tool_call_end(text: str) -> int | None:
+    """Index just past the JSON object of the first ``<tool_call>`` block that its closing tag does not follow; None
+    when every block is closed, or a block's JSON is not a whole object.
+
+    ``'<tool_call>\n{"name": "f", "arguments": {}}\n<tool_call>'`` -> 42 (the end of the object), so the turn can
+    be cut there and closed: what the model wrote after a whole call is no part of it. Blocks inside a leading
+    ``<think>`` section are not calls.
+    """
+    think = text.rfind("</think>")
+    position = 0 if think < 0 else think + len("</think>")
+    decoder = json.JSONDecoder()
+    while (opening := text.find("<tool_call>", position)) >= 0:
+        start = _WHITESPACE.match(text, opening + len("<tool_call>")).end()
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except _UNREADABLE:
+            return None
+        if not isinstance(value, dict):
+            return None
+        after = _WHITESPACE.match(text, end).end()
+        if not text.startswith("</tool_call>", after):
+            return end
+        position = after + len("</tool_call>")
+    return None
 
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)

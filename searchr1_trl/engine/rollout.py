@@ -22,7 +22,8 @@ Budgets, checked in this order every turn, decide how a rollout ends (:class:`Ro
 - a turn used all its ``max_tokens`` (``finish_reason == "length"``) -> ``TRUNCATED_LENGTH``; a turn's ``max_tokens``
   is also capped so prompt + completion never exceed ``max_rollout_tokens``;
 - the assistant message cannot be parsed (malformed tool-call JSON; the rules: :mod:`searchr1_trl.engine.parsing`) ->
-  ``ERROR_PARSE``;
+  ``ERROR_PARSE``; with ``close_tool_calls``, a turn whose call is whole but not closed right after its JSON is first
+  cut there and closed by the engine (its closing tokens are environment tokens), and goes on;
 - ``env.step`` takes longer than ``step_timeout_s`` -> ``ERROR_TIMEOUT``;
 - the environment says its tools did not answer the step (``EnvStep.tool_failed``: the service behind them is down)
   -> ``ERROR_TOOL``;
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from searchr1_trl.engine.generation import Generation, Generator, SamplingParams
-from searchr1_trl.engine.parsing import response_parser
+from searchr1_trl.engine.parsing import response_parser, tool_call_end
 
 
 class RolloutStatus(str, enum.Enum):
@@ -146,6 +147,15 @@ class RolloutConfig:
             "(error_parse); searchr1_trl/engine/parsing.py, reader 2."
         },
     )
+    close_tool_calls: bool = field(
+        default=False,
+        metadata={
+            "help": "A turn the parser refuses whose <tool_call> block holds a whole JSON call but is not closed "
+            "right after it (a second <tool_call>, stray text) is cut just past the JSON and closed by the engine: "
+            "the closing tag and end-of-turn token are environment tokens (not trained on), what the model wrote "
+            "after the call is dropped. Off: the rollout ends as error_parse (searchr1_trl/engine/parsing.py)."
+        },
+    )
     bare_json_tool_calls: bool = field(
         default=False,
         metadata={
@@ -177,6 +187,7 @@ class Rollout:
     status: RolloutStatus
     num_turns: int  # assistant turns generated
     num_tool_calls: int
+    closed_turns: int  # turns whose tool call the engine closed (``close_tool_calls``)
     timings: dict[str, float]  # {"generate_s", "env_s", "total_s"}
 
 
@@ -228,7 +239,7 @@ class RolloutEngine:
         completion_ids: list[int] = []
         env_mask: list[int] = []
         logprobs: list[float] = []
-        num_turns = 0
+        num_turns = closed_turns = 0
         status = RolloutStatus.TRUNCATED_PROMPT_TOO_LONG if not self._room(prompt_ids) else None
         while status is None:
             sequence = prompt_ids + completion_ids
@@ -238,11 +249,16 @@ class RolloutEngine:
             timings["generate_s"] += time.perf_counter() - clock
             _check_generation(generation)
             num_turns += 1
-            completion_ids += generation.token_ids
-            env_mask += [1] * len(generation.token_ids)
-            logprobs += generation.logprobs
+            turn_ids, kept = generation.token_ids, len(generation.token_ids)
+            message = None if generation.finish_reason == "length" else self._parse(turn_ids, sequence)
+            if message is None and generation.finish_reason == "stop" and self.config.close_tool_calls:
+                closed = close_tool_call(self.tokenizer, generation.token_ids)
+                if closed is not None and (message := self._parse(closed[0], sequence)) is not None:
+                    (turn_ids, kept), closed_turns = closed, closed_turns + 1
+            completion_ids += turn_ids
+            env_mask += [1] * kept + [0] * (len(turn_ids) - kept)
+            logprobs += generation.logprobs[:kept] + [0.0] * (len(turn_ids) - kept)
 
-            message = None if generation.finish_reason == "length" else self._parse(generation.token_ids, sequence)
             if message is None:
                 messages.append({"role": "assistant", "content": self._decode(generation.token_ids)})
                 cut = generation.finish_reason == "length"
@@ -269,7 +285,7 @@ class RolloutEngine:
             elif num_turns >= self.config.max_turns:
                 status = RolloutStatus.TRUNCATED_MAX_TURNS
             else:
-                suffix = self._env_suffix(messages, step.messages, generation.token_ids)
+                suffix = self._env_suffix(messages, step.messages, turn_ids)
                 if not self._room(prompt_ids + completion_ids + suffix):
                     status = RolloutStatus.TRUNCATED_PROMPT_TOO_LONG
                 else:
@@ -281,7 +297,7 @@ class RolloutEngine:
         timings["total_s"] = time.perf_counter() - started
         return Rollout(
             sample=sample, messages=messages, prompt_ids=prompt_ids, completion_ids=completion_ids, env_mask=env_mask,
-            logprobs=logprobs, status=status, num_turns=num_turns,
+            logprobs=logprobs, status=status, num_turns=num_turns, closed_turns=closed_turns,
             num_tool_calls=sum(len(m.get("tool_calls") or []) for m in messages if m["role"] == "assistant"),
             timings=timings,
         )
@@ -331,6 +347,26 @@ class RolloutEngine:
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def close_tool_call(tokenizer, token_ids: list[int]) -> tuple[list[int], int] | None:
+    """``(turn, kept)`` for a turn whose tool call is whole but not closed right after its JSON
+    (:func:`~searchr1_trl.engine.parsing.tool_call_end`): the first ``kept`` of ``token_ids`` (up to the token that
+    completes the JSON), then ``</tool_call>`` and the turn's own end token; None when the turn has no such call, or
+    the token completing the JSON carries more than whitespace."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=False)
+    if (end := tool_call_end(text)) is None:
+        return None
+    for kept in range(1, len(token_ids)):
+        prefix = tokenizer.decode(token_ids[:kept], skip_special_tokens=False)
+        if len(prefix) >= end:
+            break
+    else:
+        return None
+    if prefix[:end] != text[:end] or prefix[end:].strip():
+        return None
+    closing = tokenizer.encode(("" if prefix.endswith("\n") else "\n") + "</tool_call>", add_special_tokens=False)
+    return token_ids[:kept] + closing + token_ids[-1:], kept
 
 
 def _after_turn(before, after, stop, end_of_turn):
