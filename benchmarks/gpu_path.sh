@@ -19,7 +19,8 @@
 #                                              # with compiled layers (policy_update_0_5b.jsonl)
 #   bash benchmarks/gpu_path.sh trainer_compile ["<variants>"]  # one GPU, ~3 min a variant, in series: 12 GRPO
 #                                              # steps eager, compiled, packed, compiled_packed
-#   bash benchmarks/gpu_path.sh update_1_7b    # one GPU, ~2 min: the qwen3_1_7b recipe's update, eager and compiled
+#   bash benchmarks/gpu_path.sh update_1_7b    # one GPU, ~6 min: the qwen3_1_7b recipe's update, eager and compiled,
+#                                              # with and without its activation checkpointing
 #   bash benchmarks/gpu_path.sh zero3_1gpu     # one GPU, ~2 min: Qwen3-1.7B's step through ZeRO-3, one process, MFU
 #   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, ~5 min a variant, in series: the recipe's first
 #                                              # 30 GRPO steps alone on the GPU, CUDA graphs on; default sync (as in
@@ -119,10 +120,12 @@ in_series() {
 
 # The qwen3_1_7b recipe's own update (checkpointing, packed ragged rollouts, one GPU without DeepSpeed), eager and
 # compiled: whether the recipe turns compile_layers on.
-update_1_7b() {
-  for lever in "" --compile_layers; do
-    python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch 8 --dtype bfloat16 \
-      --fp32_master_weights --activation_checkpointing --ragged --padding_free $lever --out "$RUNS/policy_update.jsonl"
+update_1_7b() {  # with and without the recipe's activation checkpointing (its MFU ceiling), eager and compiled
+  for checkpointing in --activation_checkpointing ""; do
+    for lever in "" --compile_layers; do
+      python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch 8 --dtype bfloat16 \
+        --fp32_master_weights $checkpointing --ragged --padding_free $lever --out "$RUNS/policy_update.jsonl"
+    done
   done
 }
 

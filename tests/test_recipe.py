@@ -53,6 +53,7 @@ def test_seed_recipes_keep_the_seed_defaults():
     assert (args.eval_num_samples, args.eval_data_source) == (500, "nq")
     assert parse_recipe("qwen3_8b")[0].vllm_gpu_memory_utilization == 0.6
     assert parse_recipe("muse_glimmer_30b")[0].activation_checkpointing
+    assert parse_recipe("qwen3_1_7b")[0].compile_layers and not parse_recipe("qwen3_8b")[0].compile_layers  # ZeRO-3
 
 
 def test_generator_auto_is_vllm_where_it_is_installed_and_transformers_elsewhere(monkeypatch):
