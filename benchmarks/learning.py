@@ -311,9 +311,10 @@ def failures(folders: list[Path], model: str) -> dict[str, dict[str, int]]:
     table = {}
     for folder in folders:
         path = folder / "parse_failures.jsonl"
-        if not path.exists():
-            raise SystemExit(f"failures: {folder} has no parse_failures.jsonl")
-        texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+        if not path.exists() and not (folder / "summary.json").exists():
+            raise SystemExit(f"failures: {folder} is no finished run (no parse_failures.jsonl, no summary.json)")
+        # the trainer writes the file at a run's first refused turn: a finished run without one refused none
+        texts = [json.loads(line)["text"] for line in path.read_text().splitlines()] if path.exists() else []
         row = dict.fromkeys(FAILURE_KINDS, 0) | {"turns": len(texts), "closed": 0}
         for text in texts:
             row[failure_kind(text)] += 1

@@ -189,6 +189,8 @@ def test_failures_counts_each_refused_turn_by_kind_and_what_closing_calls_would_
                              "a slip before or inside the JSON": 1, "no block": 1, "closed": 3}
     assert table["all"]["turns"] == 6 and table["all"]["closed"] == 4
     assert "| all | 6 | 2 | 2 | 1 | 1 | 4 |" in capsys.readouterr().out
+    finished_run(tmp_path, "clean", 0, 100.0, 0.45)  # a finished run that refused no turn has no file
+    assert failures([tmp_path / "clean_s0"], offline_assets.model)["clean_s0"]["turns"] == 0
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match=r"empty has no parse_failures\.jsonl"):
+    with pytest.raises(SystemExit, match=r"empty is no finished run"):
         failures([tmp_path / "empty"], offline_assets.model)
