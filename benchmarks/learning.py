@@ -35,7 +35,9 @@ import time
 from pathlib import Path
 
 from searchr1_trl.assets import MODEL, cache_dir
-from searchr1_trl.engine.parsing import tool_call_end
+from searchr1_trl.engine.parsing import response_parser, tool_call_end
+from searchr1_trl.engine.rollout import close_tool_call
+from searchr1_trl.search_r1.env import SEARCH_TOOL
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -298,11 +300,7 @@ def failures(folders: list[Path], model: str) -> dict[str, dict[str, int]]:
     text re-tokenized with ``model``'s tokenizer and its eos token, closed by the engine's rule and parsed as
     training parses it (the file keeps decoded text, not ids, so this is the rule on the same text). Prints one
     Markdown row per run and the total."""
-    from transformers import AutoTokenizer
-
-    from searchr1_trl.engine.parsing import response_parser
-    from searchr1_trl.engine.rollout import close_tool_call
-    from searchr1_trl.search_r1.env import SEARCH_TOOL
+    from transformers import AutoTokenizer  # here: the other commands need no tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     parse = response_parser(tokenizer, [SEARCH_TOOL])

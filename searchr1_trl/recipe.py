@@ -185,7 +185,7 @@ class SearchR1Config(GRPOConfig):
     save_parse_failures: bool = field(
         default=True,
         metadata={"help": "Append each training rollout that ended as error_parse (its question and the turn the "
-                          "parser refused) to output_dir/parse_failures.jsonl: what 0.05-0.08 of the offline GPU "
+                          "parser refused) to output_dir/parse_failures.jsonl: what 0.035-0.08 of the offline GPU "
                           "recipe's training rollouts lose their reward to."},
     )
     eval_sample_seed: int | None = field(
