@@ -102,6 +102,7 @@ class Trace:
     status: str  # a RolloutStatus value, or SEARCH_FAILED
     messages: list[dict] = field(default_factory=list)
     gold_in_first_search: bool | None = None  # whether the first search's passages hold a golden answer; None: none
+    closed_turns: int = 0  # tool calls the engine closed (``close_tool_calls``): what the model leaves to the engine
 
 
 def _searches(messages: Sequence[dict], outage: bool = False) -> list[dict]:
@@ -187,6 +188,7 @@ class Method:
             em=not failed and exact_match(rollout.messages, sample.golden_answers), searches=searches,
             num_turns=rollout.num_turns, status=SEARCH_FAILED if failed else rollout.status.value,
             messages=rollout.messages, gold_in_first_search=None if failed else gold_first,
+            closed_turns=rollout.closed_turns,
         )
 
     async def aclose(self) -> None:
@@ -234,7 +236,8 @@ async def run(method: Method, samples: Sequence, params: SamplingParams,
 
 def summarize(traces: Sequence[Trace]) -> dict[str, float]:
     """EM overall and per data source (``em/<source>``), searches and turns per rollout, status fractions, the
-    number of traces with a failed search (``search_failed``), and what a search policy learned:
+    number of traces with a failed search (``search_failed``), the calls the engine closed
+    (``closed_turns_per_rollout``), and what a search policy learned:
     ``second_query_rate`` (a later search asked something else), ``first_search_missed`` (the first search's
     passages held no golden answer) and ``em_first_search_missed`` (EM of those).
 
@@ -253,6 +256,7 @@ def summarize(traces: Sequence[Trace]) -> dict[str, float]:
         "em": _mean([t.em for t in scored]),
         "searches_per_rollout": sum(len(t.searches) for t in traces) / n,
         "turns_per_rollout": sum(t.num_turns for t in traces) / n,
+        "closed_turns_per_rollout": sum(t.closed_turns for t in traces) / n,
         **{f"status_{s}": sum(t.status == s for t in traces) / n for s in (*(r.value for r in RolloutStatus),
                                                                                  SEARCH_FAILED)},
         "second_query_rate": sum(_made_second_query(t) for t in traces if t.searches) / n,

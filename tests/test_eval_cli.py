@@ -83,7 +83,8 @@ def test_eval_writes_a_table_per_method_and_source_json_and_one_trace_per_questi
                         "| failed searches |")
     assert [row.split(" | ")[0] for row in table[2:]] == ["| direct", "| rag", "| agent"]
     rows = json.loads((out / "results.json").read_text())["results"]
-    assert set(rows[0]) >= {"em", "average", "searches_per_rollout", "turns_per_rollout", "status", "num_samples"}
+    assert set(rows[0]) >= {"em", "average", "searches_per_rollout", "turns_per_rollout", "closed_turns_per_rollout",
+                            "status", "num_samples"}
     assert rows[1]["searches_per_rollout"] == 1.0 and rows[0]["searches_per_rollout"] == 0.0
 
 

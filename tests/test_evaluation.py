@@ -88,8 +88,10 @@ def trace(source, em, searches=0, status="done") -> evaluation.Trace:
 def test_summary_gives_em_overall_and_per_source_searches_and_status_fractions():
     traces = [trace("nq", True, 1), trace("nq", False, 2, "truncated_max_turns"), trace("hotpotqa", True, 1),
               trace("hotpotqa", True, 0), trace("hotpotqa", False, 0, "error_parse")]
+    traces[0].closed_turns = 2  # the engine closed two of its calls (close_tool_calls)
     summary = evaluation.summarize(traces)
     assert summary["em"] == pytest.approx(3 / 5)
+    assert summary["closed_turns_per_rollout"] == pytest.approx(2 / 5)
     assert (summary["em/nq"], summary["em/hotpotqa"]) == (pytest.approx(1 / 2), pytest.approx(2 / 3))
     assert evaluation.macro_average(summary) == pytest.approx((1 / 2 + 2 / 3) / 2)
     assert summary["searches_per_rollout"] == pytest.approx(4 / 5)

@@ -251,6 +251,7 @@ def results(records: list[dict], methods: list[str]) -> list[dict]:
                 "average": evaluation.macro_average(summary),
                 "searches_per_rollout": summary["searches_per_rollout"],
                 "turns_per_rollout": summary["turns_per_rollout"],
+                "closed_turns_per_rollout": summary["closed_turns_per_rollout"],
                 "status": {k.removeprefix("status_"): v for k, v in summary.items() if k.startswith("status_")},
                 "num_samples": summary["num_samples"],
                 "search_failed": summary["search_failed"],
