@@ -38,9 +38,9 @@
 #                                              # error_parse), close (a whole call left unclosed is closed by the
 #                                              # engine), topp95 (top_p 0.95 for training rollouts), pages (a
 #                                              # second search reads unseen passages),
-#                                              # pages4 (pages, its second-search traces taught 4 times);
-#                                              # default "close topp95": 3 seeds each side by side (two levers,
-#                                              # six runs, fill one H200)
+#                                              # pages4 (pages, its second-search traces taught 4 times), sync_ipc
+#                                              # (the recipe itself); default "nosearch clip20": 3 seeds each side by
+#                                              # side (two levers, six runs, fill one H200); SEEDS="3 4 5" for others
 #   bash benchmarks/gpu_path.sh async_e2e "<modes>" [gpu]  # offline_gpu, 3 seeds of each mode side by side; modes
 #                                              # of sync, async, async pausing in-flight rollouts for a push (pause),
 #                                              # sync_ipc, async_ipc (the push through CUDA IPC): one table in
@@ -81,7 +81,8 @@ variant_flags() {
     repair) echo "--repair_tool_calls true --weight_sync ipc" ;;  # blocks missing a brace repaired: 0 of the 988
       # refused training turns of the g16 and repair runs were that slip (docs/results/learning.md)
     close) echo "--close_tool_calls true --weight_sync ipc" ;;  # 900 of those 988 turns hold a whole call that the
-      # next sampled token fails to close; the engine cuts the turn after its JSON and closes it
+      # next sampled token fails to close; the engine cuts the turn after its JSON and closes it (+0.053 ± 0.022,
+      # 2026-12-04: the recipes' default since)
     topp95) echo "--top_p 0.95 --weight_sync ipc" ;;  # the same slips are tokens of the vocabulary's tail at
       # temperature 1: nucleus sampling drops the tail everywhere, validation stays greedy
     pages) echo "--exclude_seen_passages true --warm_start_second_search true --weight_sync ipc" ;;  # searching
@@ -181,7 +182,7 @@ case "${1:?step}" in
     # into learning_levers_gpu1
     gpu=${3:-0} out=learning_levers
     [ "$gpu" = 0 ] || out+=_gpu$gpu
-    seeded_batch "$out" "${2:-close topp95}" --kv_cache_gib 2 --gpu "$gpu" --base_port $((8100 + 100 * gpu)) ;;
+    seeded_batch "$out" "${2:-nosearch clip20}" --kv_cache_gib 2 --gpu "$gpu" --base_port $((8100 + 100 * gpu)) ;;
   eval_table)  # the retriever on that GPU's host, each checkpoint in-process on that GPU
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \
