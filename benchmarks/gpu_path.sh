@@ -19,8 +19,8 @@
 #                                              # with compiled layers (policy_update_0_5b.jsonl)
 #   bash benchmarks/gpu_path.sh trainer_compile ["<variants>"]  # one GPU, ~3 min a variant, in series: 12 GRPO
 #                                              # steps eager, compiled, packed, compiled_packed
-#   bash benchmarks/gpu_path.sh update_1_7b    # one GPU, ~6 min: the qwen3_1_7b recipe's update, eager and compiled,
-#                                              # with and without its activation checkpointing
+#   bash benchmarks/gpu_path.sh update_1_7b ["<flags>"]  # one GPU, ~6 min: the qwen3_1_7b recipe's update, eager
+#                                              # and compiled, with and without its activation checkpointing
 #   bash benchmarks/gpu_path.sh zero3_1gpu     # one GPU, ~2 min: Qwen3-1.7B's step through ZeRO-3, one process, MFU
 #   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, ~5 min a variant, in series: the recipe's first
 #                                              # 30 GRPO steps alone on the GPU, CUDA graphs on; default sync (as in
@@ -122,11 +122,13 @@ in_series() {
 # The qwen3_1_7b recipe's own update (packed ragged rollouts, one GPU without DeepSpeed), eager and compiled (1.42x
 # with its checkpointing, 2026-12-04: the recipe compiles), without its activation checkpointing first (the MFU it
 # leaves), then with it.
+# $1: more flags, e.g. "--attn flex_attention" (packed rows through FlexAttention's block mask instead of SDPA's dense
+# one: the packed step ran at MFU 0.35 where full rows reach 0.58).
 update_1_7b() {
   for checkpointing in "" --activation_checkpointing; do
     for lever in "" --compile_layers; do
       python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch 8 --dtype bfloat16 \
-        --fp32_master_weights $checkpointing --ragged --padding_free $lever --out "$RUNS/policy_update.jsonl"
+        --fp32_master_weights $checkpointing --ragged --padding_free $lever ${1:-} --out "$RUNS/policy_update.jsonl"
     done
   done
 }
@@ -227,7 +229,7 @@ case "${1:?step}" in
     python3 -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --seq 2048 --batch 8 --dtype bfloat16 \
       --fp32_master_weights --compile_layers --out "$RUNS/policy_update.jsonl"
     update_1_7b ;;
-  update_1_7b) update_1_7b ;;
+  update_1_7b) update_1_7b "${2:-}" ;;
   zero3_1gpu)  # the trainer's own step through DeepSpeed ZeRO-3 in one process (compile_layers is refused there):
     # Qwen3-1.7B and its MFU, as the ZeRO-3 recipes' update runs on each GPU (needs the bundle's DeepSpeed)
     python3 -m accelerate.commands.launch --config_file accelerate_configs/zero3.yaml --num_processes 1 \
