@@ -27,4 +27,5 @@ def test_json_prints_one_trace_per_question_without_gold_fields(tiny_model_dir, 
     [line] = capsys.readouterr().out.splitlines()
     record = json.loads(line)
     assert record["question"] == "Who won Super Bowl 50?" and record["method"] == "agent"
-    assert set(record) == {"question", "method", "answer", "searches", "num_turns", "status", "messages"}
+    assert set(record) == {"question", "method", "answer", "searches", "num_turns", "status", "messages",
+                           "closed_turns"}
