@@ -33,7 +33,7 @@ logger = logging.getLogger("eval_offline")
 
 # The offline recipes' env and rollout settings (configs/offline_gpu.yaml), so the agent is evaluated as it trains.
 AGENT_SETTINGS = ["--topk", "3", "--max_turns", "3", "--max_tokens_per_turn", "128", "--restate_question", "true",
-                  "--bare_json_tool_calls", "true"]
+                  "--bare_json_tool_calls", "true", "--close_tool_calls", "true"]
 
 
 def main() -> None:

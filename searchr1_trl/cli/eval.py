@@ -10,18 +10,18 @@ Methods (searchr1_trl/evaluation.py): ``direct`` answers closed-book, ``rag`` re
 pasted into its prompt (one turn), ``agent`` is the multi-turn search rollout the policy is trained on; all greedy,
 with the same retriever, top-k and budgets. The env and rollout flags are the training recipe's (same names and
 defaults): give the agent the values it was trained with (the offline recipes: ``--restate_question true
---bare_json_tool_calls true --max_turns 3 --topk 3 --max_tokens_per_turn 128``).
+--bare_json_tool_calls true --close_tool_calls true --max_turns 3 --topk 3 --max_tokens_per_turn 128``).
 
 Questions: from each data file, each ``data_source`` separately, a seeded random sample of ``num_samples`` rows
 (the first ``num_samples`` of one seeded permutation, so a larger sample extends a smaller one), not the first rows.
 
 Writes to ``output_dir``: ``traces.jsonl`` (one line per question x method x checkpoint: answer, EM, each search's
 query and passage titles, status, the conversation), ``results.json`` (per row: EM per data source and their
-average, searches and turns per rollout, status fractions) and ``results.md`` (the table: rows method x
-checkpoint, columns data sources + average). Every finished trace is on disk at once: rerun the same command after
-a crash and only the missing ones are generated. The table holds every checkpoint evaluated into ``output_dir`` on
-this sample, so checkpoints served one at a time (one vLLM server each) end up in one table; ``settings.json``
-refuses a rerun whose sample seed or policy settings differ (its traces would not be comparable).
+average, searches, turns and calls the engine closed per rollout, status fractions) and ``results.md`` (the table:
+rows method x checkpoint, columns data sources + average). Every finished trace is on disk at once: rerun the same
+command after a crash and only the missing ones are generated. The table holds every checkpoint evaluated into
+``output_dir`` on this sample, so checkpoints served one at a time (one vLLM server each) end up in one table;
+``settings.json`` refuses a rerun whose sample seed or policy settings differ (its traces would not be comparable).
 
 A retriever outage is never a result: before the first question the retriever (``/health`` and a probe query, when
 a method searches) and every checkpoint's generator are checked, and the run stops in one line if one fails. A
