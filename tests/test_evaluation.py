@@ -21,8 +21,8 @@ class ScriptedGenerator(Generator):
     """A policy that searches for the question when it has the tool, then answers; its answer is "Denver Broncos"
     when the prompt holds passages, "Carolina Panthers" when it answers from memory. Records every prompt."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, call_end: str = "</tool_call>"):
+        self.tokenizer, self.call_end = tokenizer, call_end  # call_end: what the policy writes after its call's JSON
         self.prompts: list[str] = []
 
     async def generate(self, prompt_ids, params) -> Generation:
@@ -32,17 +32,18 @@ class ScriptedGenerator(Generator):
         if "Doc 1(Title:" in last_turn:
             text = "Denver Broncos"
         elif '"name": "search"' in prompt:
-            text = '<tool_call>\n{"name": "search", "arguments": {"query": "Super Bowl 50 AFC"}}\n</tool_call>'
+            text = '<tool_call>\n{"name": "search", "arguments": {"query": "Super Bowl 50 AFC"}}\n' + self.call_end
         else:
             text = "Carolina Panthers"
         ids = [*self.tokenizer.encode(text), self.tokenizer.eos_token_id]
         return Generation(ids, [0.0] * len(ids), "stop")
 
 
-def trace_of(method_name, tokenizer, retriever_url) -> tuple[evaluation.Trace, list[str]]:
-    generator = ScriptedGenerator(tokenizer)
+def trace_of(method_name, tokenizer, retriever_url, generator=None,
+             rollout_config=None) -> tuple[evaluation.Trace, list[str]]:
+    generator = generator or ScriptedGenerator(tokenizer)
     method = evaluation.build_method(method_name, tokenizer, generator, SearchR1EnvConfig(search_url=retriever_url),
-                                     RolloutConfig(max_turns=3))
+                                     rollout_config or RolloutConfig(max_turns=3))
 
     async def main():
         try:
@@ -78,6 +79,16 @@ def test_agent_searches_with_its_own_query_and_records_the_passage_titles(tokeni
     [search] = trace.searches
     assert search["query"] == "Super Bowl 50 AFC" and len(search["titles"]) == 3
     assert json.loads(json.dumps(trace.messages)) == trace.messages, "a trace is JSON as it is"
+
+
+def test_an_agent_trace_counts_the_calls_the_engine_closed(tokenizer, retriever_url):
+    # a stray tag where </tool_call> belongs: refused as it is, closed by the engine when asked
+    strict, _ = trace_of("agent", tokenizer, retriever_url, ScriptedGenerator(tokenizer, call_end="<tool_call>"))
+    closed, _ = trace_of("agent", tokenizer, retriever_url, ScriptedGenerator(tokenizer, call_end="<tool_call>"),
+                         RolloutConfig(max_turns=3, close_tool_calls=True))
+    assert (strict.status, strict.em, strict.closed_turns) == ("error_parse", False, 0)
+    assert (closed.status, closed.em, closed.closed_turns, len(closed.searches)) == ("done", True, 1, 1)
+    assert evaluation.summarize([strict, closed])["closed_turns_per_rollout"] == 0.5
 
 
 def trace(source, em, searches=0, status="done") -> evaluation.Trace:
