@@ -39,7 +39,7 @@
 #                                              # engine), topp95 (top_p 0.95 for training rollouts), pages (a
 #                                              # second search reads unseen passages),
 #                                              # pages4 (pages, its second-search traces taught 4 times), sync_ipc
-#                                              # (the recipe itself); default "nosearch clip20": 3 seeds each side by
+#                                              # (the recipe itself); default "clip20 warmup10": 3 seeds each side by
 #                                              # side (two levers, six runs, fill one H200); SEEDS="3 4 5" for others
 #   bash benchmarks/gpu_path.sh async_e2e "<modes>" [gpu]  # offline_gpu, 3 seeds of each mode side by side; modes
 #                                              # of sync, async, async pausing in-flight rollouts for a push (pause),
@@ -184,7 +184,7 @@ case "${1:?step}" in
     # into learning_levers_gpu1
     gpu=${3:-0} out=learning_levers
     [ "$gpu" = 0 ] || out+=_gpu$gpu
-    seeded_batch "$out" "${2:-nosearch clip20}" --kv_cache_gib 2 --gpu "$gpu" --base_port $((8100 + 100 * gpu)) ;;
+    seeded_batch "$out" "${2:-clip20 warmup10}" --kv_cache_gib 2 --gpu "$gpu" --base_port $((8100 + 100 * gpu)) ;;
   eval_table)  # the retriever on that GPU's host, each checkpoint in-process on that GPU
     gpu=${2:?gpu} name=${3:?name}; shift 3
     CUDA_VISIBLE_DEVICES=$gpu python3 scripts/eval_offline.py --checkpoints "$@" --corpus full --num_samples 500 \
