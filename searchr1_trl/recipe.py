@@ -186,7 +186,8 @@ class SearchR1Config(GRPOConfig):
         default=True,
         metadata={"help": "Append each training rollout that ended as error_parse (its question and the turn the "
                           "parser refused) to output_dir/parse_failures.jsonl: what 0.035-0.08 of the offline GPU "
-                          "recipe's training rollouts lose their reward to."},
+                          "recipe's training rollouts lost their reward to before close_tool_calls, 0.003-0.02 with "
+                          "it."},
     )
     eval_sample_seed: int | None = field(
         default=None,
