@@ -400,7 +400,8 @@ class SearchR1Trainer(GRPOTrainer):
             if self.pipeline is not None and self.args.in_flight_rollouts == "finish":
                 self.pipeline.drain()  # in-flight rollouts finish on the weights they started with
             start = time.perf_counter()
-            self.weight_push.push(self.model)
+            # The wrapped model: under ZeRO-3 only the DeepSpeed engine can gather the sharded weights.
+            self.weight_push.push(self.model_wrapped)
             self._metrics["train"]["weight_sync/time_s"].append(time.perf_counter() - start)
         self._synced_step = self.state.global_step
         if self.pipeline is not None:
