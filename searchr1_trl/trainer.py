@@ -84,7 +84,7 @@ from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task, part_config
 from searchr1_trl.search_r1.data import QuestionBatches, SearchR1Sample, training_row
 from searchr1_trl.update import compile_decoder_layers, loss_mask, packed_forward, with_fp32_master_weights
-from searchr1_trl.weight_sync import PausedPush, weight_push
+from searchr1_trl.weight_sync import PausedPush, ReloadPush, warn_stale_tied_head, weight_push
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +140,8 @@ class SearchR1Trainer(GRPOTrainer):
                              f"{self.is_deepspeed_enabled}); use weight_sync='nccl'")
         self.weight_push = (weight_push(args, self.accelerator, getattr(self, "vllm_generation", None))
                             if args.generator == "vllm" else None)
+        if isinstance(self.weight_push, ReloadPush):
+            warn_stale_tied_head(self.model)
         self.pipeline: async_rollouts.RolloutPipeline | None = None  # made with the dataloader, under async_rollouts
         if args.async_rollouts:
             async_rollouts.check_recipe(args, self.is_deepspeed_enabled)

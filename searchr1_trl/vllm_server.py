@@ -92,11 +92,11 @@ class VLLMServerConfig:
         """A config for a server on this machine: with a CPU build of vLLM, eager mode (graph compilation costs
         minutes of start-up for little gain), float32 (see ``dtype``) and the model in the engine process (see
         ``distributed_executor_backend``)."""
-        cpu = {"enforce_eager": True, "dtype": "float32", "distributed_executor_backend": "uni"} if _cpu_build() else {}
+        cpu = {"enforce_eager": True, "dtype": "float32", "distributed_executor_backend": "uni"} if cpu_build() else {}
         return cls(model=model, **{**cpu, **overrides})
 
     def command(self) -> list[str]:
-        kv_cache_gib = self.cpu_kv_cache_gib if _cpu_build() else self.gpu_kv_cache_gib
+        kv_cache_gib = self.cpu_kv_cache_gib if cpu_build() else self.gpu_kv_cache_gib
         return [
             sys.executable, "-m", "trl.cli.main", "vllm-serve",
             "--model", self.model, "--host", self.host, "--port", str(self.port),
@@ -196,7 +196,7 @@ class VLLMServer:
         self.stop()
 
 
-def _cpu_build() -> bool:
+def cpu_build() -> bool:
     """Whether the installed vLLM is a CPU build: its ``+cpu`` version is what selects vLLM's CPU platform."""
     try:
         return importlib.metadata.version("vllm").endswith("+cpu")

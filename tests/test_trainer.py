@@ -226,6 +226,25 @@ def test_a_lora_push_writes_every_weight_when_the_adapter_trains_outside_the_dec
     assert "model.embed_tokens.weight" in written and "model.layers.0.mlp.up_proj.weight" in written
 
 
+def test_reload_pushes_warn_where_a_cpu_server_would_keep_a_tied_head_at_the_start(tiny_model_dir, questions_file,
+                                                                                   tmp_path, caplog):
+    """The tiny model ties its head to its embeddings and this machine's vLLM is the CPU build (weight_sync's module
+    docstring): trained embeddings, whole or through LoRA, warn; LoRA off the embeddings does not."""
+    from peft import LoraConfig
+
+    def warns(target_modules=None) -> bool:
+        args = small_config(tmp_path, questions_file, "http://127.0.0.1:9/retrieve", generator="vllm",
+                            weight_sync="reload", vllm_server_base_url="http://127.0.0.1:9")
+        caplog.clear()
+        peft = LoraConfig(r=4, lora_alpha=8, target_modules=target_modules) if target_modules else None
+        SearchR1Trainer(model=str(tiny_model_dir), args=args, peft_config=peft)
+        return any("keeps its packed copy of the head" in record.getMessage() for record in caplog.records)
+
+    assert warns()
+    assert warns(["q_proj", "embed_tokens"])
+    assert not warns(["q_proj"])
+
+
 @pytest.mark.slow
 def test_the_lora_cpu_recipe_pushes_merged_weights_that_the_server_then_samples_from(
         offline_assets, vllm_server, retriever_url, questions_file, tmp_path, tokenizer):
