@@ -440,12 +440,15 @@ async def _load(port: int, questions: list[str], seconds: float, extra: str | No
             "extra_requests": len(extra_statuses), "extra_429": extra_statuses.count(429)}
 
 
+LOAD_S = 5.0  # each load run's measured seconds (after 1 s unmeasured)
+
+
 @pytest.fixture(scope="module")
 def load_runs(retriever_url, squad_dev_sample, reliability_figures) -> dict[str, dict]:
-    """The good clients' figures when alone, beside poison, beside one and beside nine heavy clients, 10 s each."""
+    """The good clients' figures when alone, beside poison, beside one and beside nine heavy clients, LOAD_S each."""
     questions = squad_dev_sample[1]["question"].tolist()
     port = httpx.URL(retriever_url).port
-    runs = {extra or "clean": asyncio.run(_load(port, questions, 10.0, extra))
+    runs = {extra or "clean": asyncio.run(_load(port, questions, LOAD_S, extra))
             for extra in (None, "poison", "heavy", "nine heavy")}
     reliability_figures["server_load"] = runs
     print(json.dumps(runs, indent=1))
@@ -456,9 +459,9 @@ def load_runs(retriever_url, squad_dev_sample, reliability_figures) -> dict[str,
 def test_64_good_clients_are_all_answered_beside_poison_and_a_heavy_request(load_runs, base_url):
     clean, poison, heavy = load_runs["clean"], load_runs["poison"], load_runs["heavy"]
     assert clean["good_failed"] == poison["good_failed"] == heavy["good_failed"] == 0
-    assert poison["extra_statuses"] == [422] and poison["extra_requests"] >= 50
+    assert poison["extra_statuses"] == [422] and poison["extra_requests"] >= 5 * LOAD_S  # one per 50 ms + answer
     # Counts, not p99 (a tail latency of a few hundred samples flakes on a busy CI machine). A heavy request that held
-    # the good clients back would leave them almost nothing answered: it outlasts the 10 s run. The CPU its chunks
+    # the good clients back would leave them almost nothing answered: it outlasts the run. The CPU its chunks
     # take is a share two cores cannot avoid: 0.84-0.95x of clean on an idle machine, 0.48x once in a full suite.
     assert heavy["good_requests"] >= clean["good_requests"] / 4, (heavy["good_requests"], clean["good_requests"])
     assert metrics(base_url)["disconnects_total"] >= 1  # the heavy request left running was cancelled
@@ -472,5 +475,5 @@ def test_beside_nine_maximal_requests_every_good_request_is_answered_and_all_but
     assert nine["good_failed"] == 0 and nine["good_requests"] > 0
     # One maximal request is served at a time (it takes longer than the run); the other eight are refused, each
     # answer held back one second (Retry-After), however fast they resend.
-    assert nine["extra_statuses"] == [429] and 8 <= nine["extra_429"] <= 8 * 11
+    assert nine["extra_statuses"] == [429] and 8 <= nine["extra_429"] <= 8 * (LOAD_S + 1)
     assert metrics(base_url)['rejected_total{status="429"}'] >= nine["extra_429"]
