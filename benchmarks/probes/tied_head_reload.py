@@ -19,22 +19,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks.report import report
+from benchmarks.weight_sync import server_logprobs
 from searchr1_trl.assets import require
 from searchr1_trl.processes import free_port
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig, reload_weights
 from searchr1_trl.weight_sync import save_for_reload
 
 PROBE = [{"role": "user", "content": "Who wrote Hamlet?"}, {"role": "assistant", "content": "William Shakespeare"}]
-
-
-def served_logprobs(server: VLLMServer, model: str, ids: list[int]) -> torch.Tensor:
-    import httpx
-
-    response = httpx.post(f"{server.base_url}/v1/completions", timeout=300, json={
-        "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0})
-    response.raise_for_status()
-    entries = response.json()["choices"][0]["prompt_logprobs"][1:]
-    return torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(entries, ids[1:], strict=True)])
 
 
 def forward_logprobs(folder: Path, embeddings: torch.Tensor, head: torch.Tensor, ids: list[int]) -> torch.Tensor:
@@ -70,7 +61,7 @@ def probe(tied: bool, work: Path) -> dict:
     with VLLMServer(server_config) as server:
         save_for_reload(model, None, work / "push")
         reload_weights(server.base_url, work / "push")
-        served = served_logprobs(server, str(start), ids)
+        served = torch.tensor(server_logprobs(server.base_url, str(start), [ids], [1])[0])
     gaps = {f"embeddings {e}, head {h}": round(float((served - forward_logprobs(
                 start, (old if e == "old" else new)[0], (old if h == "old" else new)[1], ids)).abs().max()), 7)
             for e in ("old", "new") for h in ("old", "new")}
