@@ -24,9 +24,8 @@ tied head's weights for its GEMM, and a reload loads the embeddings (vLLM's load
 without repacking it. A tiny tied Qwen2 whose embeddings an update scaled by 0.9 was then served with the new
 embeddings and the old head (log-probs equal to that mix to 1e-6, 0.07 nats from the pushed model); an untied head
 reloads exactly (``benchmarks/probes/tied_head_reload.py``). :func:`warn_stale_tied_head` says so where it applies:
-a trainable tied embedding, reload, the CPU build of vLLM. On an H200 (vLLM 0.26) a reload moved the served log-probs
-as the trainer's update did (correlation 0.998, as NCCL's), every weight of the tied 0.5B trained; the probe itself
-has not run on a GPU.
+a trainable tied embedding, reload, the CPU build of vLLM. Not checked on a GPU server: the offline 0.5B whose
+reloads the H200 checks measured has a head of its own.
 """
 
 from __future__ import annotations
