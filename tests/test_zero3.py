@@ -39,6 +39,19 @@ def update(tmp_path: Path, model: Path, config: str, *flags: str) -> subprocess.
                   "64", "--prompt", "16", "--steps", "2", "--out", str(out), *flags)
 
 
+def train_recipe(tmp_path: Path, model: Path, questions_file: str, search_url: str, **fields) -> Path:
+    """A scripts/train.py recipe for a tiny model in ``tmp_path``: 2 rollouts a step of up to 2 turns of 16 tokens,
+    no validation, a checkpoint every step in ``tmp_path/run``; ``fields`` add to it or override it."""
+    config = tmp_path / "recipe.yaml"
+    config.write_text(yaml.safe_dump({
+        "model_name_or_path": str(model), "dtype": "bfloat16", "bf16": False, "output_dir": str(tmp_path / "run"),
+        "train_data_path": questions_file, "eval_strategy": "no", "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1, "num_generations": 2, "max_turns": 2, "max_tokens_per_turn": 16,
+        "max_rollout_tokens": 1024, "search_url": search_url, "save_steps": 1, "report_to": "none", "warmup_steps": 0,
+        **fields}))
+    return config
+
+
 @pytest.mark.slow  # two launches, ~40 s
 def test_a_zero3_step_computes_the_gradients_of_the_step_without_deepspeed(tmp_path, tiny_model_dir):
     results = {}
@@ -68,13 +81,8 @@ def test_the_training_entry_point_takes_a_grpo_step_under_zero3_and_saves_whole_
                                                                                        questions_file, retriever_url):
     # `accelerate launch --config_file accelerate_configs/zero3.yaml scripts/train.py --config ...`, as the Qwen3
     # recipes run: rollouts from the ZeRO-3 model gathered for in-process generation, searches on the real retriever
-    config = tmp_path / "recipe.yaml"
-    config.write_text(yaml.safe_dump({
-        "model_name_or_path": str(tiny_model_dir), "dtype": "bfloat16", "bf16": False,
-        "output_dir": str(tmp_path / "run"), "train_data_path": questions_file, "eval_strategy": "no", "max_steps": 1,
-        "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "num_generations": 2, "max_turns": 2,
-        "max_tokens_per_turn": 16, "max_rollout_tokens": 1024, "generator": "transformers",
-        "search_url": retriever_url, "save_steps": 1, "report_to": "none", "warmup_steps": 0}))
+    config = train_recipe(tmp_path, tiny_model_dir, questions_file, retriever_url, max_steps=1,
+                          generator="transformers")
     run = launch("zero3.yaml", "scripts/train.py", "--config", str(config))
     assert run.returncode == 0, run.stderr[-3000:]
     state = json.loads((tmp_path / "run" / "checkpoint-1" / "trainer_state.json").read_text())
@@ -119,15 +127,9 @@ def test_async_rollouts_under_zero3_train_on_a_vllm_server_that_each_push_gives_
         tmp_path, served_tiny_model_dir, tiny_vllm_server, questions_file, retriever_url):
     # weight_sync reload, the default: ZeRO-3 holds each parameter as a shard, and only the DeepSpeed engine can
     # gather them whole for the push. Weight decay moves every weight at every step, rewards or not.
-    config = tmp_path / "recipe.yaml"
-    config.write_text(yaml.safe_dump({
-        "model_name_or_path": str(served_tiny_model_dir), "dtype": "bfloat16", "bf16": False,
-        "output_dir": str(tmp_path / "run"), "train_data_path": questions_file, "eval_strategy": "no", "max_steps": 3,
-        "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "num_generations": 2, "max_turns": 2,
-        "max_tokens_per_turn": 16, "max_rollout_tokens": 1024, "generator": "vllm",
-        "vllm_server_base_url": tiny_vllm_server.base_url, "weight_sync": "reload", "async_rollouts": True,
-        "max_staleness": 1, "search_url": retriever_url, "save_steps": 1, "report_to": "none", "warmup_steps": 0,
-        "learning_rate": 0.05, "weight_decay": 1.0}))
+    config = train_recipe(tmp_path, served_tiny_model_dir, questions_file, retriever_url, max_steps=3,
+                          generator="vllm", vllm_server_base_url=tiny_vllm_server.base_url, weight_sync="reload",
+                          async_rollouts=True, max_staleness=1, learning_rate=0.05, weight_decay=1.0)
     run = launch("zero3.yaml", "scripts/train.py", "--config", str(config))
     assert run.returncode == 0, run.stderr[-3000:]
     state = json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())
