@@ -22,9 +22,10 @@
 #   bash benchmarks/gpu_path.sh update_1_7b ["<flags>"]  # one GPU, ~6 min: the qwen3_1_7b recipe's update, eager
 #                                              # and compiled, with and without its activation checkpointing
 #   bash benchmarks/gpu_path.sh zero3_1gpu     # one GPU, ~2 min: Qwen3-1.7B's step through ZeRO-3, one process, MFU
-#   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, ~5 min a variant, in series: the recipe's first
-#                                              # 30 GRPO steps alone on the GPU, CUDA graphs on; default sync (as in
-#                                              # issue 23), compiled_packed, async_compiled_packed
+#   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, in series: the recipe's first 30 GRPO steps
+#                                              # alone on the GPU, CUDA graphs on; default sync (as in issue 23, ~9.5
+#                                              # min) then async_compiled_packed (every lever); compiled_packed between
+#                                              # them splits the gain but does not fit one session's device time
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
@@ -202,7 +203,7 @@ case "${1:?step}" in
       "--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200" ;;
   e2e_alone)  # issue 23's end to end: the recipe's first 30 GRPO steps (warm start, evaluations every 10 steps
     # included as committed), each mode alone on the GPU with CUDA graphs; against the lock-step tmpfs reload first
-    in_series e2e_alone "${2:-sync compiled_packed async_compiled_packed}" "--max_steps 30" ;;
+    in_series e2e_alone "${2:-sync async_compiled_packed}" "--max_steps 30" ;;
   rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768;
     # $2: more retrieval server flags, e.g. "--device cpu" (its encoder on the host's cores)
     python3 -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \
