@@ -45,7 +45,7 @@ def test_the_bundle_carries_exactly_the_lock_file_and_the_setup_makes_it_importa
     assert bundle(tmp_path, BUNDLE_ASSETS="0").returncode == 0
     pieces = tmp_path / "pieces"
     assert sorted(p.name for p in pieces.iterdir()) == ["site.tar.xz.00"]
-    assert all(p.stat().st_size <= 60 * 2**20 for p in pieces.iterdir())
+    assert all(p.stat().st_size <= 45 * 2**20 for p in pieces.iterdir())
 
     site, env_file = tmp_path / "site", tmp_path / "env.sh"
     setup = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_setup.sh"), str(pieces)], check=True, text=True,
