@@ -15,8 +15,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from test_trainer import model_logprobs, server_logprobs
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.probes.tied_head_reload import servable_tiny_qwen2
 from searchr1_trl.processes import free_port
 from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
 
@@ -99,14 +100,8 @@ def served_tiny_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     and an LM head of its own (on CPU vLLM prepacks a tied head's weights, and a reload that changes the embeddings
     leaves that packed copy stale: a server quirk, not the push's)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("served-tiny-qwen2")
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    servable_tiny_qwen2(tokenizer, tied=False).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

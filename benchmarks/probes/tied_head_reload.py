@@ -37,14 +37,20 @@ def forward_logprobs(folder: Path, embeddings: torch.Tensor, head: torch.Tensor,
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def probe(tied: bool, work: Path) -> dict:
-    tokenizer = AutoTokenizer.from_pretrained(require().model)
+def servable_tiny_qwen2(tokenizer, tied: bool) -> Qwen2ForCausalLM:
+    """A random 2-layer bf16 Qwen2 (seed 0) that a CPU vLLM server can serve: head_dim 64, vLLM's CPU attention having
+    no kernel for smaller heads."""
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          tie_word_embeddings=tied)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    return Qwen2ForCausalLM(config).to(torch.bfloat16)
+
+
+def probe(tied: bool, work: Path) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(require().model)
+    model = servable_tiny_qwen2(tokenizer, tied)
     start = work / f"tied_{tied}"
     model.save_pretrained(start)
     tokenizer.save_pretrained(start)
