@@ -23,9 +23,10 @@
 #                                              # and compiled, with and without its activation checkpointing
 #   bash benchmarks/gpu_path.sh zero3_1gpu     # one GPU, ~2 min: Qwen3-1.7B's step through ZeRO-3, one process, MFU
 #   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, in series: the recipe's first 30 GRPO steps
-#                                              # alone on the GPU, CUDA graphs on; default sync (as in issue 23, ~9.5
-#                                              # min) then async_compiled_packed (every lever); compiled_packed between
-#                                              # them splits the gain but does not fit one session's device time
+#                                              # alone on the GPU, CUDA graphs on; default sync (as in issue 23; 27
+#                                              # steps took 7.3 min in one run) then async_compiled_packed (every
+#                                              # lever); compiled_packed between them splits the gain but does not fit
+#                                              # one session's device time
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
