@@ -166,6 +166,7 @@ def report(out: Path, baseline: str | None = None) -> dict:
             "chosen": _spread([r["em"]["chosen"] for r in done]),
             "gain_last": _spread(gains_last), "gain_chosen": _spread(gains_chosen),
             "train_runtime_s": _spread([r["train_runtime_s"] for r in done if r["train_runtime_s"] is not None]),
+            "steps": sorted({r["steps"] for r in done}),
             **_common_step([r for r in records if r["variant"] == variant and "em" in r]),
         }
     (out / "learning.json").write_text(json.dumps({"variants": table, "runs": records}, indent=2))
@@ -334,14 +335,19 @@ def variant_table(table: dict, baseline: str | None = None) -> str:
     """One Markdown row per variant, each figure a mean ± sd (min) over seeds on its sample: EM of the warm start, the
     last step and the chosen checkpoint, and GRPO's gain over the warm start at both (what issue 22's goal reads);
     the gain at the newest step all seeds reached, unfinished ones included (its step and seeds beside it);
-    mean ``train_runtime`` and, where a ``baseline`` variant is named, the speedup over it ("-" otherwise). Rows as
+    mean ``train_runtime`` and, where a ``baseline`` variant is named, the speedup over it: "-" without one, and
+    "-" with the step counts where they differ (a run the collapse guard stopped early is no faster for it). Rows as
     printed: tests/test_learning_report.py."""
     reference = table[baseline]["train_runtime_s"]["mean"] if baseline in table else None
+    reference_steps = table[baseline]["steps"] if baseline in table else None
     lines = ["| variant | flags | sample | seeds | warm start | EM last step | EM chosen | gain, last step | "
              "gain, chosen | gain, step all seeds reached | train_runtime s | speedup |", "| --- " * 12 + "|"]
     for variant, row in table.items():
         runtime = row["train_runtime_s"]["mean"]
         speedup = f"{reference / runtime:.2f}x" if reference and runtime else "-"
+        if reference and runtime and row["steps"] != reference_steps:
+            counts = ["/".join(map(str, steps)) for steps in (row["steps"], reference_steps)]
+            speedup = f"- ({counts[0]} steps, the baseline {counts[1]})"
         common = "-" if row["common_step"] is None else (
             f"{_spread_text(row['gain_common'], '+')} to EM {row['em_common']['mean']:.3f} at step "
             f"{row['common_step']}, seeds {' '.join(map(str, row['common_seeds']))}")

@@ -7,14 +7,14 @@ import pytest
 from benchmarks.learning import failures, pool, report
 
 
-def finished_run(out, variant, seed, runtime, em_last, report_sample=True):
+def finished_run(out, variant, seed, runtime, em_last, report_sample=True, steps=30):
     folder = out / f"{variant}_s{seed}"
     folder.mkdir(parents=True)
     (folder / "command.json").write_text(json.dumps({"variant": variant, "flags": "", "seed": seed, "command": []}))
     (folder / "summary.json").write_text(json.dumps({
-        "steps": 30, "train_runtime_s": runtime, "best_step": 30,
+        "steps": steps, "train_runtime_s": runtime, "best_step": steps,
         "evals": [{"step": 0, "eval_em": 0.40, **({"report_em": 0.40} if report_sample else {})},
-                  {"step": 30, "eval_em": 0.45, **({"report_em": em_last} if report_sample else {})}]}))
+                  {"step": steps, "eval_em": 0.45, **({"report_em": em_last} if report_sample else {})}]}))
 
 
 def test_the_report_gives_each_variants_train_runtime_and_report_em_and_the_speedup_over_the_baseline(tmp_path,
@@ -68,6 +68,15 @@ def test_the_report_gives_how_each_runs_training_rollouts_ended(tmp_path, capsys
     assert "| run | steps | done | error_parse | error_parse, first half | error_parse, second half |" in printed
     assert "| repair_s0 | 4 | 0.955 | 0.045 | 0.080 | 0.010 |" in printed
     assert "| older_s0 |" not in printed.split("| error_parse, second half |")[1]
+
+
+def test_a_run_the_collapse_guard_stopped_early_gets_no_speedup_from_its_fewer_steps(tmp_path, capsys):
+    finished_run(tmp_path, "sync", 0, 288.0, 0.36)
+    finished_run(tmp_path, "async", 0, 172.0, 0.0, steps=10)  # H100, 2026-12-05: stopped at step 10, EM 0
+    report(tmp_path, baseline="sync")
+    printed = capsys.readouterr().out
+    assert "| 172.0 | - (10 steps, the baseline 30) |" in printed
+    assert "| 288.0 | 1.00x |" in printed
 
 
 def test_a_baseline_that_has_not_run_yet_leaves_the_speedup_out(tmp_path, capsys):
