@@ -155,6 +155,15 @@ class _Launched:
     prompts: list
     version: int
     future: concurrent.futures.Future
+    launched_at: float = field(default_factory=time.perf_counter)
+    done_at: float | None = None
+
+    def __post_init__(self):
+        self.future.add_done_callback(lambda _: setattr(self, "done_at", time.perf_counter()))
+
+    def generation_s(self) -> float:
+        """Launch to last rollout: how long generation took beside the trainer's step (alone: ``rollout/time_s``)."""
+        return (self.done_at or time.perf_counter()) - self.launched_at  # the callback may trail result() by a hair
 
 
 class RolloutPipeline:
@@ -208,6 +217,7 @@ class RolloutPipeline:
         self.metrics["async/stale_dropped"].append(len(stale) / len(rollouts))
         self.metrics["async/staleness"].append(sum(step - v for v in versions) / len(versions))
         self.metrics["async/wait_s"].append(time.perf_counter() - start)
+        self.metrics["async/generation_s"].append(launched.generation_s())
         return rollouts
 
     def _launch_ahead(self, step: int, last_step: int) -> None:

@@ -110,7 +110,7 @@ def test_a_rollout_older_than_max_staleness_is_never_trained_on_but_rolled_out_a
 def test_a_push_waits_for_the_rollouts_in_flight():
     release = threading.Event()
     # launch 0: step 1's, launched ahead by step 0's take (before step 0's own, launch 1), held until released
-    pipeline, lookahead, _ = pipeline_over(Counter(), max_staleness=1, release=release, held=frozenset({0}))
+    pipeline, lookahead, metrics = pipeline_over(Counter(), max_staleness=1, release=release, held=frozenset({0}))
     pipeline.pushed(0)
     pipeline.take(0, lookahead(), last_step=3)
     draining = threading.Thread(target=pipeline.drain)
@@ -120,6 +120,9 @@ def test_a_push_waits_for_the_rollouts_in_flight():
     release.set()
     draining.join()
     assert not draining.is_alive()
+    pipeline.pushed(1)
+    pipeline.take(1, lookahead(), last_step=3)
+    assert metrics["async/generation_s"][-1] >= 0.5  # launch to done, the held half second in it
 
 
 def test_a_checkpoint_saves_the_stream_from_before_the_questions_drawn_ahead():
