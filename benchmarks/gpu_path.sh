@@ -23,10 +23,10 @@
 #                                              # and compiled, with and without its activation checkpointing
 #   bash benchmarks/gpu_path.sh zero3_1gpu     # one GPU, ~2 min: Qwen3-1.7B's step through ZeRO-3, one process, MFU
 #   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, in series: the recipe's first 30 GRPO steps
-#                                              # alone on the GPU, CUDA graphs on; default sync (as in issue 23; 27
-#                                              # steps took 7.3 min in one run) then async_compiled_packed (every
-#                                              # lever); compiled_packed between them splits the gain but does not fit
-#                                              # one session's device time
+#                                              # alone on the GPU, CUDA graphs on; default sync (as in issue 23; ~8
+#                                              # min on an H100 with its warm start), async_ipc, compiled_packed: the levers
+#                                              # apart, since async_compiled_packed (every lever) collapsed on an H100
+#                                              # with a KL of 5.6 at steps 1-2 (docs/results/README.md)
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
@@ -204,7 +204,7 @@ case "${1:?step}" in
       "--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200" ;;
   e2e_alone)  # issue 23's end to end: the recipe's first 30 GRPO steps (warm start, evaluations every 10 steps
     # included as committed), each mode alone on the GPU with CUDA graphs; against the lock-step tmpfs reload first
-    in_series e2e_alone "${2:-sync async_compiled_packed}" "--max_steps 30" ;;
+    in_series e2e_alone "${2:-sync async_ipc compiled_packed}" "--max_steps 30" ;;
   rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768;
     # $2: more retrieval server flags, e.g. "--device cpu" (its encoder on the host's cores)
     python3 -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \
