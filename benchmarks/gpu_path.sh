@@ -23,10 +23,10 @@
 #                                              # and compiled, with and without its activation checkpointing
 #   bash benchmarks/gpu_path.sh zero3_1gpu     # one GPU, ~2 min: Qwen3-1.7B's step through ZeRO-3, one process, MFU
 #   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, in series: the recipe's first 30 GRPO steps
-#                                              # alone on the GPU, CUDA graphs on; default sync (as in issue 23; ~8
-#                                              # min on an H100 with its warm start), async_ipc, compiled_packed: the levers
-#                                              # apart, since async_compiled_packed (every lever) collapsed by step 10
-#                                              # on an H100 (docs/results/README.md)
+#                                              # alone on the GPU, CUDA graphs on; default sync (as in issue 23;
+#                                              # ~8 min on an H100 with its warm start), async_ipc, compiled_packed:
+#                                              # the levers apart, since async_compiled_packed (every lever) collapsed
+#                                              # by step 10 on an H100 (docs/results/README.md)
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)

@@ -344,10 +344,13 @@ def variant_table(table: dict, baseline: str | None = None) -> str:
              "gain, chosen | gain, step all seeds reached | train_runtime s | speedup |", "| --- " * 12 + "|"]
     for variant, row in table.items():
         runtime = row["train_runtime_s"]["mean"]
-        speedup = f"{reference / runtime:.2f}x" if reference and runtime else "-"
-        if reference and runtime and row["steps"] != reference_steps:
+        if not (reference and runtime):
+            speedup = "-"
+        elif row["steps"] != reference_steps:
             counts = ["/".join(map(str, steps)) for steps in (row["steps"], reference_steps)]
             speedup = f"- ({counts[0]} steps, the baseline {counts[1]})"
+        else:
+            speedup = f"{reference / runtime:.2f}x"
         common = "-" if row["common_step"] is None else (
             f"{_spread_text(row['gain_common'], '+')} to EM {row['em_common']['mean']:.3f} at step "
             f"{row['common_step']}, seeds {' '.join(map(str, row['common_seeds']))}")
