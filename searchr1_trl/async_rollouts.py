@@ -35,6 +35,10 @@ Off by default (``async_rollouts``). What this module decides:
   lock-step. With ``beta > 0`` the KL of every token is weighted by the same ``pi_current / pi_behaviour`` as its
   advantage (:func:`weighted_kl`; ``E_behaviour[w * k3] = E_current[k3]``, and ``w * k3`` stays near
   ``pi_ref / pi_behaviour``), for the token-sum losses (dapo, cispo) whose normalisation the trainer repeats.
+- **How far the policy moved** on the rollouts a step trains on is logged (:func:`log_staleness`), and TRL's
+  ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence masking: a negative-advantage rollout the policy
+  has moved far from is left out of the loss) works as TRL has it, from the same behaviour log-probs. Off by default,
+  like TRL's; a candidate against the drift measured on GPUs (docs/results/README.md), not yet measured there.
 - **Validation stays synchronous**: it waits for the rollouts in flight and launches none.
 - **Resume is exact for the question stream**: questions are drawn ahead (:class:`Lookahead`) but a checkpoint saves
   the stream's state from before the oldest draw no step has trained on, so rollouts in flight at a checkpoint are
@@ -256,12 +260,13 @@ def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor]
     current weights' log-probs when TRL did not (one forward without gradients, as TRL's vLLM path does)."""
     if not args.vllm_importance_sampling_correction:
         return output
-    if "importance_sampling_ratio" in output:  # TRL weights the loss itself; the KL term still needs the weights
-        output[WEIGHTS] = output["importance_sampling_ratio"]
-        return output
     proximal = output.get("old_per_token_logps")
     proximal = proximal_logps() if proximal is None else proximal
     mask = loss_mask(output)
+    if "importance_sampling_ratio" in output:  # TRL weights the loss itself; the KL term still needs the weights
+        output[WEIGHTS] = output["importance_sampling_ratio"]
+        log_staleness(proximal, output["sampling_per_token_logps"], mask, output["advantages"], args, metrics)
+        return output
     weights = importance_weights(proximal, output["sampling_per_token_logps"], mask,
                                  args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                                  args.vllm_importance_sampling_clip_max)
@@ -271,7 +276,26 @@ def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor]
                                                      if per_token.numel() else 0.0)
     output["advantages"] = fold_into_advantages(output["advantages"], weights, mask.size(1))
     output[WEIGHTS] = weights
+    log_staleness(proximal, output["sampling_per_token_logps"], mask, output["advantages"], args, metrics)
     return output
+
+
+def log_staleness(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+                  args, metrics: dict[str, list[float]]) -> None:
+    """How far the last updates moved the policy on the rollouts a step trains on: ``async/behaviour_kl``, the mean
+    over loss tokens of ``log pi_behaviour - log pi_current`` (an estimate of KL(behaviour || current)), and
+    ``async/behaviour_kl_max``, its largest per-rollout mean, which is what TRL's ``off_policy_mask_threshold``
+    (DeepSeek-V3.2's off-policy sequence masking) compares; with that threshold set, ``async/off_policy_masked`` is
+    the fraction of rollouts TRL's loss drops (negative advantage, as weighted, and a per-rollout mean above it).
+    ``advantages``: (B,) or (B, T), the same along T."""
+    gap = torch.nan_to_num(behaviour - proximal, nan=0.0) * mask
+    tokens = mask.sum(-1)
+    per_rollout = gap.sum(-1) / tokens.clamp(min=1.0)
+    metrics["async/behaviour_kl"].append((gap.sum() / tokens.sum().clamp(min=1.0)).item())
+    metrics["async/behaviour_kl_max"].append(per_rollout.max().item() if per_rollout.numel() else 0.0)
+    if args.off_policy_mask_threshold is not None:
+        dropped = (advantages.reshape(len(per_rollout), -1)[:, 0] < 0) & (per_rollout > args.off_policy_mask_threshold)
+        metrics["async/off_policy_masked"].append(dropped.float().mean().item() if dropped.numel() else 0.0)
 
 
 def weighted_kl(logps: torch.Tensor, inputs: dict, mask: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,9 +26,11 @@ from searchr1_trl.async_rollouts import (
     RolloutPipeline,
     fold_into_advantages,
     importance_weights,
+    log_staleness,
 )
 from searchr1_trl.recipe import build_task
 from searchr1_trl.trainer import STREAM_STATE_FILE, SearchR1Trainer
+from searchr1_trl.update import loss_mask
 from searchr1_trl.vllm_server import reload_weights
 
 
@@ -229,6 +231,33 @@ def test_a_stale_rollouts_kl_is_weighted_like_its_advantage(tiny_model_dir, ques
     assert abs(ours_loss) < 1.0 < 100.0 < trls_loss
 
 
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_trls_off_policy_mask_drops_the_rollouts_the_staleness_metrics_count(tiny_model_dir, questions_file,
+                                                                            tmp_path, padding_free):
+    # rollouts 0 (advantage 1.0) and 1 (-0.5) were sampled by weights that liked each of their tokens 0.5 nats more
+    # than the current ones do; at threshold 0.1 TRL's loss drops rollout 1 (negative advantage), keeps rollout 0
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(
+        tmp_path, questions_file, off_policy_mask_threshold=0.1, padding_free=padding_free))
+    trainer.current_gradient_accumulation_steps = 1
+    batch = batch_with_reference(trainer, shift=0.0)
+    current = batch.pop("ref_per_token_logps")
+    behaviour = current + torch.tensor([[0.5], [0.5], [0.0], [0.0]])
+    metrics = defaultdict(list)
+    log_staleness(current, behaviour, loss_mask(batch), batch["advantages"], trainer.args, metrics)
+    assert loss_mask(batch).sum(-1).tolist() == [10, 2, 2, 5]
+    assert metrics["async/behaviour_kl"] == [pytest.approx((10 * 0.5 + 2 * 0.5) / 19)]
+    assert metrics["async/behaviour_kl_max"] == [pytest.approx(0.5)]
+    assert metrics["async/off_policy_masked"] == [0.25]
+    masked_loss, masked_grads = loss_and_grads(trainer, {**batch, "sampling_per_token_logps": behaviour})
+    trainer.off_policy_mask_threshold = None
+    dropped_loss, dropped_grads = loss_and_grads(trainer, {**batch, "advantages": torch.tensor([1.0, 0.0, 0.8, -1.3])})
+    torch.testing.assert_close(masked_loss, dropped_loss)
+    for name in dropped_grads:
+        torch.testing.assert_close(masked_grads[name], dropped_grads[name])
+    kept_loss, _ = loss_and_grads(trainer, batch)
+    assert abs(kept_loss - masked_loss) > 1e-3  # rollout 1 counted for something: dropping it shows
+
+
 def test_recipes_the_async_mode_cannot_run_are_refused(tiny_model_dir, questions_file, tmp_path):
     with pytest.raises(ValueError, match="max_staleness=0; expected >= 1"):
         SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, async_rollouts=True,
@@ -388,3 +417,7 @@ def test_an_async_runs_kl_to_the_reference_is_zero_before_the_first_update_and_g
     assert [entry["async/staleness"] for entry in logged] == [0, 1]
     first, second = (entry["kl"] for entry in logged)
     assert first < 1e-4 < second < 1.0, (first, second)
+    # the log-prob gap between the weights that sampled a step's rollouts and the current ones: none at step 1, the
+    # update's at step 2 (a mean over 16 tokens, of either sign: an estimate of the KL, not the KL)
+    first, second = (entry["async/behaviour_kl"] for entry in logged)
+    assert abs(first) < 1e-4 < abs(second) < 1.0, (first, second)
