@@ -79,7 +79,8 @@ class FixedRolloutsTrainer(SearchR1Trainer):
         return {k: v.to(self.accelerator.device) for k, v in self._rollouts.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """``argv``: the command line's flags (``sys.argv`` when None); the tests run the no-DeepSpeed side in-process."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="Qwen/Qwen3-8B")
     parser.add_argument("--num_hidden_layers", type=int, default=None, help="fewer layers than published")
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("--compile_layers", action="store_true", help="the recipe knob: each decoder layer compiled")
     parser.add_argument("--padding_free", action="store_true", help="the recipe knob: rollouts packed into rows")
     parser.add_argument("--out", default=None, help="append the JSON line here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     state = PartialState()
     overrides = {"num_hidden_layers": args.num_hidden_layers} if args.num_hidden_layers else {}
     torch.manual_seed(args.seed)
