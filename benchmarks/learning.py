@@ -189,7 +189,7 @@ def report(out: Path, baseline: str | None = None) -> dict:
               f"{fmt(r['train_runtime_s'], 1)} |")
     print()
     print(variant_table(table, baseline))
-    for split in (step_split(out), rollout_endings(out)):
+    for split in (step_split(out), rollout_endings(out), drift(out)):
         if split:
             print()
             print(split)
@@ -201,12 +201,7 @@ def rollout_endings(out: Path) -> str:
     over its steps of each ``rollout/status_*`` fraction any run logged (done, error_parse, truncated_*, ...), the
     first-half and second-half means of ``error_parse`` beside them: a lever on the parser (``repair``) shows here
     first. "" when no run logged them."""
-    runs_logged = {}
-    for folder in sorted(p for p in out.iterdir() if (p / "log_history.csv").exists()):
-        with open(folder / "log_history.csv", newline="") as f:
-            rows = [row for row in csv.DictReader(f) if row.get("rollout/status_done")]
-        if rows:
-            runs_logged[folder.name] = rows
+    runs_logged = dict(_logged_steps(out, "rollout/status_done"))
     statuses = sorted({key for rows in runs_logged.values() for key in rows[0] if key.startswith("rollout/status_")})
     if not statuses:
         return ""
@@ -233,24 +228,59 @@ def step_split(out: Path) -> str:
     steps apart, so a lever that compiles (``compile_layers``) shows its warm-up and its steady state separately.
     "" when no run has the file."""
     lines = []
-    for folder in sorted(p for p in out.iterdir() if (p / "log_history.csv").exists()):
-        with open(folder / "log_history.csv", newline="") as f:
-            # runs logged before TRL timed generate_and_score have no split to show
-            steps = [row for row in csv.DictReader(f) if row.get("step_time") and row.get("generate_and_score/time_s")]
-        if not steps:
-            continue
+    # runs logged before TRL timed generate_and_score have no split to show
+    for name, steps in _logged_steps(out, "step_time", "generate_and_score/time_s"):
         total = [float(row["step_time"]) for row in steps]
         prepare = [float(row["generate_and_score/time_s"]) for row in steps]
         update = [t - g for t, g in zip(total, prepare, strict=True)]
         half = len(update) // 2
         first = f"{statistics.median(update[:half]):.2f}" if half else "-"
-        lines.append(f"| {folder.name} | {len(steps)} | {statistics.mean(total):.2f} | "
+        lines.append(f"| {name} | {len(steps)} | {statistics.mean(total):.2f} | "
                      f"{statistics.mean(prepare):.2f} | {statistics.mean(update):.2f} | {first} | "
                      f"{statistics.median(update[half:]):.2f} |")
     if not lines:
         return ""
     return "\n".join(["| run | steps | step s | generate and score s | policy update s | update, median of the "
                       "first half s | update, median of the second half s |", "| --- " * 7 + "|", *lines])
+
+
+# The drift table's columns: a logged metric, whether its worst step is its largest or smallest value, its header.
+DRIFT = (("kl", max, "KL to the reference, max"),
+         ("async/importance_weight_mean", min, "importance weight mean, min"),
+         ("async/behaviour_kl_max", max, "behaviour gap of a rollout, max"),
+         ("rollout/status_error_parse", max, "error_parse, max"))
+
+
+def drift(out: Path) -> str:
+    """How far each run's policy went, from its ``log_history.csv``: one Markdown row per run with the worst step of
+    each sign of drift in :data:`DRIFT` (value and step) and the mean fraction of rollouts TRL's off-policy mask
+    dropped. A collapse shows as one of them jumping; lock-step runs have "-" in the async columns. "" when no run
+    logged a KL."""
+    lines = []
+    for name, rows in _logged_steps(out, "kl"):
+        cells = []
+        for key, worst, _ in DRIFT:
+            logged = [(float(row[key]), row["step"]) for row in rows if row.get(key)]
+            if logged:
+                value, step = worst(logged, key=lambda pair: pair[0])
+            cells.append(f"{value:.3g} (step {step})" if logged else "-")
+        masked = [float(row["async/off_policy_masked"]) for row in rows if row.get("async/off_policy_masked")]
+        cells.append(f"{statistics.mean(masked):.3f}" if masked else "-")
+        lines.append(f"| {name} | {len(rows)} | " + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    headers = [header for _, _, header in DRIFT] + ["off-policy masked, mean"]
+    return "\n".join([f"| run | steps | {' | '.join(headers)} |", "| --- " * (len(headers) + 2) + "|", *lines])
+
+
+def _logged_steps(out: Path, *keys: str):
+    """``(run, rows)`` for each run folder in ``out`` with a ``log_history.csv``: its rows that have every one of
+    ``keys`` (TRL logs steps and evaluations on rows of their own); runs with none are left out."""
+    for folder in sorted(p for p in out.iterdir() if (p / "log_history.csv").exists()):
+        with open(folder / "log_history.csv", newline="") as f:
+            rows = [row for row in csv.DictReader(f) if all(row.get(key) for key in keys)]
+        if rows:
+            yield folder.name, rows
 
 
 def pool(sources: list[str], step: int) -> dict:

@@ -70,6 +70,25 @@ def test_the_report_gives_how_each_runs_training_rollouts_ended(tmp_path, capsys
     assert "| older_s0 |" not in printed.split("| error_parse, second half |")[1]
 
 
+def test_the_report_gives_each_runs_worst_step_of_drift(tmp_path, capsys):
+    finished_run(tmp_path, "async", 0, 100.0, 0.0, steps=3)
+    finished_run(tmp_path, "sync", 0, 100.0, 0.44, steps=3)
+    finished_run(tmp_path, "older", 0, 100.0, 0.44)  # no log: no row
+    # the H100 collapse's shape: the weights fall, then the KL jumps and rollouts stop parsing
+    rows = ["step,kl,async/importance_weight_mean,async/behaviour_kl_max,async/off_policy_masked,"
+            "rollout/status_error_parse,eval_em", "0,,,,,,0.40",
+            "1,0.0001,0.99,0.001,0.0,0.0,", "2,0.165,0.61,0.02,0.25,0.02,", "3,10170,0.054,0.09,0.5,0.64,",
+            "3,,,,,,0.0"]
+    (tmp_path / "async_s0" / "log_history.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "sync_s0" / "log_history.csv").write_text(
+        "step,kl,rollout/status_error_parse\n1,0.0,0.03\n2,0.05,0.0\n3,0.01,0.01\n")
+    report(tmp_path)
+    drift = capsys.readouterr().out.split("| run | steps | KL to the reference, max |")[1]
+    assert "| async_s0 | 3 | 1.02e+04 (step 3) | 0.054 (step 3) | 0.09 (step 3) | 0.64 (step 3) | 0.250 |" in drift
+    assert "| sync_s0 | 3 | 0.05 (step 2) | - | - | 0.03 (step 1) | - |" in drift
+    assert "older_s0" not in drift
+
+
 def test_a_run_the_collapse_guard_stopped_early_gets_no_speedup_from_its_fewer_steps(tmp_path, capsys):
     finished_run(tmp_path, "sync", 0, 288.0, 0.36)
     finished_run(tmp_path, "async", 0, 172.0, 0.0, steps=10)  # H100, 2026-12-05: stopped at step 10, EM 0
