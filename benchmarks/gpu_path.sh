@@ -46,7 +46,8 @@
 #   bash benchmarks/gpu_path.sh async_e2e "<modes>" [gpu]  # offline_gpu, 3 seeds of each mode side by side; modes
 #                                              # of sync, async, async pausing in-flight rollouts for a push (pause),
 #                                              # sync_ipc, async_ipc (the push through CUDA IPC), async_opm
-#                                              # (async_ipc with TRL's off-policy sequence mask): one table in
+#                                              # (async_ipc with TRL's off-policy sequence mask), async_trunc
+#                                              # (weights clipped, not zeroed), async_safe (both): one table in
 #                                              # $RUNS/async_e2e, the speedup over the first mode
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -77,6 +78,14 @@ variant_flags() {
       # nats each, on average, since its weights sampled it leaves the loss. Normal steps' sequence weights of
       # 0.95-1.05 are gaps near 0.002; before the H100 collapse (docs/results/README.md) a mean weight of 0.61 over
       # ~33 tokens is ~0.015, at it 0.054 is ~0.09. The runs log async/behaviour_kl(_max) and off_policy_masked
+    async_trunc) echo "--async_rollouts true --max_staleness 1 --weight_sync ipc" \
+      "--vllm_importance_sampling_mode sequence_truncate" ;;  # weights above 3 clipped to 3, not zeroed: in the
+      # committed async runs tokens were zeroed at 7 of 110 steps, every one at or just after a jump (up to 17.5%
+      # at the step with 67% unparseable); what a mask zeroes is what the drifting policy likes far more than the
+      # weights that sampled it, the errors it spreads among them (async/negative_zeroed counts those)
+    async_safe) echo "--async_rollouts true --max_staleness 1 --weight_sync ipc --off_policy_mask_threshold 0.02" \
+      "--vllm_importance_sampling_mode sequence_truncate" ;;  # both: stale negatives the policy left dropped, those
+      # it now likes more kept, at weight 3 at most
     async_compiled_packed) echo "--async_rollouts true --max_staleness 1 --compile_layers true --padding_free true" \
       "--weight_sync ipc" ;;  # every speed lever at once
     top1) echo "--topk 1 --weight_sync ipc" ;;  # the levers, on the recipe as last measured (sync_ipc)
@@ -100,7 +109,8 @@ variant_flags() {
       # left a greedy policy that never searched again (2026-12-04)
     q15) echo "--model $SIBLING --dtype bfloat16 --fp32_master_weights true --per_device_train_batch_size 2" \
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
-    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, async_opm, eager, compiled, packed," \
+    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, async_opm, async_trunc, async_safe," \
+         "eager, compiled, packed," \
          "compiled_packed, async_compiled_packed," \
          "top1, g16, nosearch, clip20, warmup10, steps80, repair, close, topp95, pages, pages4 or q15" >&2
        return 2 ;;

@@ -35,10 +35,13 @@ Off by default (``async_rollouts``). What this module decides:
   lock-step. With ``beta > 0`` the KL of every token is weighted by the same ``pi_current / pi_behaviour`` as its
   advantage (:func:`weighted_kl`; ``E_behaviour[w * k3] = E_current[k3]``, and ``w * k3`` stays near
   ``pi_ref / pi_behaviour``), for the token-sum losses (dapo, cispo) whose normalisation the trainer repeats.
-- **How far the policy moved** on the rollouts a step trains on is logged (:func:`log_staleness`), and TRL's
-  ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence masking: a negative-advantage rollout the policy
-  has moved far from is left out of the loss) works as TRL has it, from the same behaviour log-probs. Off by default,
-  like TRL's; a candidate against the drift measured on GPUs (docs/results/README.md), not yet measured there.
+- **How far the policy moved** on the rollouts a step trains on is logged (:func:`log_staleness`), and so is the
+  share of negative-advantage tokens a ``*_mask`` mode zeroes (``async/negative_zeroed``: errors the policy now likes
+  more than the weights that sampled them). TRL's ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence
+  masking: a negative-advantage rollout the policy has moved far from leaves the loss) works as TRL has it, from the
+  same behaviour log-probs, and ``sequence_truncate`` clips where ``sequence_mask`` zeroes. TRL's defaults stand (no
+  mask, ``sequence_mask``); both are candidates against the drift measured on GPUs (docs/results/README.md), not yet
+  measured there.
 - **Validation stays synchronous**: it waits for the rollouts in flight and launches none.
 - **Resume is exact for the question stream**: questions are drawn ahead (:class:`Lookahead`) but a checkpoint saves
   the stream's state from before the oldest draw no step has trained on, so rollouts in flight at a checkpoint are
@@ -274,6 +277,10 @@ def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor]
     metrics["async/importance_weight_mean"].append(per_token.mean().item() if per_token.numel() else 1.0)
     metrics["async/importance_weight_zeroed"].append((per_token == 0).float().mean().item()
                                                      if per_token.numel() else 0.0)
+    # a *_mask mode zeroes what the policy now likes far more than the weights that sampled it; a negative-advantage
+    # rollout there is one the update should have pushed down and that it made likelier (an error the drift spreads)
+    negative = weights.expand_as(mask)[mask.bool() & (output["advantages"][:, None] < 0)]
+    metrics["async/negative_zeroed"].append((negative == 0).float().mean().item() if negative.numel() else 0.0)
     output["advantages"] = fold_into_advantages(output["advantages"], weights, mask.size(1))
     output[WEIGHTS] = weights
     log_staleness(proximal, output["sampling_per_token_logps"], mask, output["advantages"], args, metrics)

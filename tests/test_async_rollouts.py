@@ -11,6 +11,7 @@ import math
 import threading
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -27,6 +28,7 @@ from searchr1_trl.async_rollouts import (
     fold_into_advantages,
     importance_weights,
     log_staleness,
+    weight_by_behaviour,
 )
 from searchr1_trl.recipe import build_task
 from searchr1_trl.trainer import STREAM_STATE_FILE, SearchR1Trainer
@@ -229,6 +231,29 @@ def test_a_stale_rollouts_kl_is_weighted_like_its_advantage(tiny_model_dir, ques
         torch.testing.assert_close(ours_grads[name], rowwise_grads[name])
     trls_loss, _ = loss_and_grads(trainer, batch)
     assert abs(ours_loss) < 1.0 < 100.0 < trls_loss
+
+
+def test_the_mask_modes_count_the_negative_rollouts_they_zero():
+    # rows 0 and 1 were sampled by weights that found each of their 3 tokens e^2 less likely than the current ones do
+    # (sequence ratio e^6 > 3: zeroed by sequence_mask); rows 0 and 2 have negative advantages
+    def output():
+        return {"advantages": torch.tensor([-1.0, 1.0, -0.5, 0.5]), "completion_mask": torch.ones(4, 3),
+                "old_per_token_logps": torch.zeros(4, 3),
+                "sampling_per_token_logps": torch.tensor([[-2.0] * 3, [-2.0] * 3, [0.0] * 3, [0.0] * 3])}
+    args = SimpleNamespace(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
+                           vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=3.0,
+                           off_policy_mask_threshold=None)
+    metrics = defaultdict(list)
+    weighted = weight_by_behaviour(output(), lambda: pytest.fail("the proximal log-probs were given"), args, metrics)
+    assert weighted["advantages"][:, 0].tolist() == [0.0, 0.0, -0.5, 0.5]
+    assert metrics["async/importance_weight_zeroed"] == [0.5]
+    assert metrics["async/negative_zeroed"] == [0.5]  # row 0 of the negative rows 0 and 2
+    assert metrics["async/behaviour_kl"] == [pytest.approx(-1.0)]  # rows 0, 1: -2 a token; the current likes them
+    args.vllm_importance_sampling_mode = "sequence_truncate"  # clipped to 3 instead: nothing zeroed
+    metrics = defaultdict(list)
+    weighted = weight_by_behaviour(output(), None, args, metrics)
+    assert weighted["advantages"][:, 0].tolist() == [-3.0, 3.0, -0.5, 0.5]
+    assert metrics["async/negative_zeroed"] == [0.0]
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
