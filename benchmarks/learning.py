@@ -248,6 +248,7 @@ def step_split(out: Path) -> str:
 DRIFT = (("kl", max, "KL to the reference, max"),
          ("async/importance_weight_mean", min, "importance weight mean, min"),
          ("async/behaviour_kl_max", max, "behaviour gap of a rollout, max"),
+         ("async/negative_zeroed", max, "negative tokens zeroed, max"),
          ("rollout/status_error_parse", max, "error_parse, max"))
 
 
