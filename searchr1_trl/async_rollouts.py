@@ -34,7 +34,9 @@ Off by default (``async_rollouts``). What this module decides:
   on an H200 (docs/results, "Asynchronous rollouts") one such step's mean KL was 63.5 against at most 0.37
   lock-step. With ``beta > 0`` the KL of every token is weighted by the same ``pi_current / pi_behaviour`` as its
   advantage (:func:`weighted_kl`; ``E_behaviour[w * k3] = E_current[k3]``, and ``w * k3`` stays near
-  ``pi_ref / pi_behaviour``), for the token-sum losses (dapo, cispo) whose normalisation the trainer repeats.
+  ``pi_ref / pi_behaviour``), for the token-sum losses (dapo, cispo) whose normalisation the trainer repeats. That
+  makes the estimate right; it does not tame the drift behind such a spike, since with ``use_bias_correction_kl``
+  (TRL's default) the term's gradient is ``beta * (logp - ref)``, linear in the gap.
 - **How far the policy moved** on the rollouts a step trains on is logged (:func:`log_staleness`), and so is the
   share of negative-advantage tokens a ``*_mask`` mode zeroes (``async/negative_zeroed``: errors the policy now likes
   more than the weights that sampled them). TRL's ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence
