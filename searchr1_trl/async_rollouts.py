@@ -77,6 +77,7 @@ from searchr1_trl.update import loss_mask
 LINEAR_IN_ADVANTAGE_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
 TOKEN_SUM_LOSSES = ("dapo", "cispo")  # summed over tokens / num_items_in_batch: the KL term's weighting (weighted_kl)
 WEIGHTS = "behaviour_weights"  # the key weight_by_behaviour adds to the step's output: pi_current / pi_behaviour
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL 1.16's
 
 
 @dataclass
@@ -343,8 +344,7 @@ def importance_weights(proximal: torch.Tensor, behaviour: torch.Tensor, mask: to
         low = -math.inf if clip_min is None else clip_min
         high = math.inf if clip_max is None else clip_max
         return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-    raise ValueError(f"vllm_importance_sampling_mode={mode!r}; expected token_truncate, token_mask, "
-                     "sequence_truncate or sequence_mask")
+    raise ValueError(f"vllm_importance_sampling_mode={mode!r}; expected {', '.join(IMPORTANCE_SAMPLING_MODES)}")
 
 
 def fold_into_advantages(advantages: torch.Tensor, weights: torch.Tensor, length: int) -> torch.Tensor:

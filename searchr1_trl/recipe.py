@@ -34,7 +34,7 @@ from typing import Any
 from trl import GRPOConfig, ModelConfig, TrlParser
 
 from searchr1_trl.assets import resolve_path
-from searchr1_trl.async_rollouts import AsyncRolloutsConfig
+from searchr1_trl.async_rollouts import IMPORTANCE_SAMPLING_MODES, AsyncRolloutsConfig
 from searchr1_trl.callbacks import CollapseGuardConfig
 from searchr1_trl.engine.generation import (
     Generator,
@@ -285,6 +285,14 @@ class SearchR1Config(GRPOConfig):
                              "in [0, 1]")
         if self.weight_sync not in ("reload", "nccl", "ipc"):
             raise ValueError(f"weight_sync={self.weight_sync!r}; expected 'reload', 'nccl' or 'ipc'")
+        # TRL reads these two only in a step (an unknown mode fails there, a threshold <= 0 drops every rollout with
+        # a negative advantage): checked here, before a warm start and a validation have run
+        if self.vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
+            raise ValueError(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}; expected "
+                             f"{', '.join(IMPORTANCE_SAMPLING_MODES)}")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
+            raise ValueError(f"off_policy_mask_threshold={self.off_policy_mask_threshold!r}; expected a mean per-token "
+                             "log-probability gap > 0 (e.g. 0.02), or none to keep every rollout")
         if self.weight_sync_dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(f"weight_sync_dtype={self.weight_sync_dtype!r}; expected bfloat16, float16 or float32")
         if self.weight_sync_dtype and (self.generator != "vllm" or self.weight_sync == "nccl"):

@@ -81,6 +81,18 @@ def test_weight_sync_dtype_is_checked_and_a_push_it_does_not_apply_to_is_named(c
     assert "applies to reload and ipc pushes to a vLLM server only" in caplog.text and "weight_sync=nccl" in caplog.text
 
 
+def test_the_staleness_corrections_knobs_are_checked_before_a_step_reads_them():
+    with pytest.raises(ValueError, match=r"vllm_importance_sampling_mode='sequence'; expected token_truncate, "
+                                         r"token_mask, sequence_truncate, sequence_mask"):
+        parse_recipe("offline_gpu", "--vllm_importance_sampling_mode", "sequence")
+    for threshold in ("0", "-0.5"):
+        with pytest.raises(ValueError, match=rf"off_policy_mask_threshold={float(threshold)!r}; expected a mean "):
+            parse_recipe("offline_gpu", "--off_policy_mask_threshold", threshold)
+    args = parse_recipe("offline_gpu", "--vllm_importance_sampling_mode", "sequence_truncate",
+                        "--off_policy_mask_threshold", "0.02")[0]
+    assert (args.vllm_importance_sampling_mode, args.off_policy_mask_threshold) == ("sequence_truncate", 0.02)
+
+
 def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):
     import pandas as pd
 
