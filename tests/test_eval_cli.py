@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import pandas as pd
@@ -107,8 +109,7 @@ def test_a_killed_evaluation_keeps_every_finished_trace_and_the_rerun_adds_only_
     with traces.open("a") as f:
         f.write('{"key": "a line cut short by the crash')
 
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    eval_cli.main(command[3:])  # the rerun, in this process (a fresh one would only add TRL's ~10 s import)
 
     after = traces.read_text()
     assert after.startswith(finished), "the finished traces are kept as they were"
@@ -154,15 +155,24 @@ def eval_cli_configs(checkpoint, data, out, generator_url, retriever_url):
                                          bare_json_tool_calls=True, max_tokens_per_turn=32)
 
 
+def eval_offline(*argv: str) -> None:
+    """scripts/eval_offline.py run in this process with ``argv``: a fresh interpreter would import TRL again."""
+    spec = importlib.util.spec_from_file_location("eval_offline", ROOT / "scripts" / "eval_offline.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with mock.patch.object(sys, "argv", ["eval_offline.py", *argv]):
+        script.main()
+
+
 @pytest.mark.slow  # builds an index and starts the real retriever
-def test_eval_offline_with_in_process_generation_starts_its_retriever_and_no_vllm(tiny_model_dir, tmp_path):
+def test_eval_offline_with_in_process_generation_starts_its_retriever_and_no_vllm(tiny_model_dir, tmp_path, capfd):
     from searchr1_trl.processes import free_port
 
     out = tmp_path / "eval"
-    subprocess.run([sys.executable, "scripts/eval_offline.py", "--checkpoints", str(tiny_model_dir),
-                    "--num_samples", "2", "--distractors", "10", "--methods", "direct", "rag",
-                    "--generator", "transformers", "--retriever_port", str(free_port()), "--output_dir", str(out)],
-                   cwd=ROOT, check=True, timeout=900)
+    eval_offline("--checkpoints", str(tiny_model_dir), "--num_samples", "2", "--distractors", "10", "--methods",
+                 "direct", "rag", "--generator", "transformers", "--retriever_port", str(free_port()),
+                 "--output_dir", str(out))
+    assert "build_index" in capfd.readouterr().err  # the index was built: the rerun below must not build it again
     table = (out / eval_cli.RESULTS_MD).read_text()
     assert "| direct |" in table and "| rag |" in table and "| agent |" not in table
     command = (out / "command.txt").read_text()
@@ -172,13 +182,10 @@ def test_eval_offline_with_in_process_generation_starts_its_retriever_and_no_vll
 
     # the same questions again on the index built above: nothing embedded; the same sample's corpus, the same table
     again = tmp_path / "again"
-    run = subprocess.run([sys.executable, "scripts/eval_offline.py", "--checkpoints", str(tiny_model_dir),
-                          "--num_samples", "2", "--distractors", "10", "--methods", "direct", "rag",
-                          "--generator", "transformers", "--retriever_port", str(free_port()),
-                          "--index_path", str(out / "data" / "index.faiss"), "--output_dir", str(again)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "build_index" not in run.stderr and not (again / "data" / "index.faiss").exists()
+    eval_offline("--checkpoints", str(tiny_model_dir), "--num_samples", "2", "--distractors", "10", "--methods",
+                 "direct", "rag", "--generator", "transformers", "--retriever_port", str(free_port()),
+                 "--index_path", str(out / "data" / "index.faiss"), "--output_dir", str(again))
+    assert "build_index" not in capfd.readouterr().err and not (again / "data" / "index.faiss").exists()
     assert (again / eval_cli.RESULTS_MD).read_text() == table
     # an index of another corpus (a slice with other distractors) is refused before any question, naming why
     other = subprocess.run([sys.executable, "scripts/eval_offline.py", "--checkpoints", str(tiny_model_dir),
