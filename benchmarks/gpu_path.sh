@@ -73,19 +73,18 @@ variant_flags() {
     packed) echo "--padding_free true --weight_sync ipc" ;;
     compiled_packed) echo "--compile_layers true --padding_free true --weight_sync ipc" ;;
     async_ipc) echo "--async_rollouts true --max_staleness 1 --weight_sync ipc" ;;
-    async_opm) echo "--async_rollouts true --max_staleness 1 --weight_sync ipc --off_policy_mask_threshold 0.02" ;;
+    async_opm) echo "$(variant_flags async_ipc) --off_policy_mask_threshold 0.02" ;;
       # async_ipc with TRL's off-policy sequence mask: a negative-advantage rollout whose tokens lost more than 0.02
       # nats each, on average, since its weights sampled it leaves the loss. Normal steps' sequence weights of
       # 0.95-1.05 are gaps near 0.002; before the H100 collapse (docs/results/README.md) a mean weight of 0.61 over
       # ~33 tokens is ~0.015, at it 0.054 is ~0.09. The runs log async/behaviour_kl(_max) and off_policy_masked
-    async_trunc) echo "--async_rollouts true --max_staleness 1 --weight_sync ipc" \
-      "--vllm_importance_sampling_mode sequence_truncate" ;;  # weights above 3 clipped to 3, not zeroed: in the
-      # committed async runs tokens were zeroed at 7 of 110 steps, every one at or just after a jump (up to 17.5%
-      # at the step with 67% unparseable); what a mask zeroes is what the drifting policy likes far more than the
-      # weights that sampled it, the errors it spreads among them (async/negative_zeroed counts those)
-    async_safe) echo "--async_rollouts true --max_staleness 1 --weight_sync ipc --off_policy_mask_threshold 0.02" \
-      "--vllm_importance_sampling_mode sequence_truncate" ;;  # both: stale negatives the policy left dropped, those
-      # it now likes more kept, at weight 3 at most
+    async_trunc) echo "$(variant_flags async_ipc) --vllm_importance_sampling_mode sequence_truncate" ;;  # weights
+      # above 3 clipped to 3, not zeroed: in the committed async runs tokens were zeroed at 7 of 110 steps, every
+      # one at or just after a jump (up to 17.5% at the step with 67% unparseable); what a mask zeroes is what the
+      # drifting policy likes far more than the weights that sampled it, the errors it spreads among them
+      # (async/negative_zeroed counts those)
+    async_safe) echo "$(variant_flags async_opm) --vllm_importance_sampling_mode sequence_truncate" ;;  # both:
+      # stale negatives the policy left dropped, those it now likes more kept, at weight 3 at most
     async_compiled_packed) echo "--async_rollouts true --max_staleness 1 --compile_layers true --padding_free true" \
       "--weight_sync ipc" ;;  # every speed lever at once
     top1) echo "--topk 1 --weight_sync ipc" ;;  # the levers, on the recipe as last measured (sync_ipc)

@@ -271,23 +271,26 @@ def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor]
     mask = loss_mask(output)
     if "importance_sampling_ratio" in output:  # TRL weights the loss itself; the KL term still needs the weights
         output[WEIGHTS] = output["importance_sampling_ratio"]
-        log_staleness(proximal, output["sampling_per_token_logps"], mask, output["advantages"], args, metrics)
-        return output
-    weights = importance_weights(proximal, output["sampling_per_token_logps"], mask,
-                                 args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
-                                 args.vllm_importance_sampling_clip_max)
-    per_token = weights.expand_as(mask)[mask.bool()]
-    metrics["async/importance_weight_mean"].append(per_token.mean().item() if per_token.numel() else 1.0)
-    metrics["async/importance_weight_zeroed"].append((per_token == 0).float().mean().item()
-                                                     if per_token.numel() else 0.0)
-    # a *_mask mode zeroes what the policy now likes far more than the weights that sampled it; a negative-advantage
-    # rollout there is one the update should have pushed down and that it made likelier (an error the drift spreads)
-    negative = weights.expand_as(mask)[mask.bool() & (output["advantages"][:, None] < 0)]
-    metrics["async/negative_zeroed"].append((negative == 0).float().mean().item() if negative.numel() else 0.0)
-    output["advantages"] = fold_into_advantages(output["advantages"], weights, mask.size(1))
-    output[WEIGHTS] = weights
+    else:
+        weights = importance_weights(proximal, output["sampling_per_token_logps"], mask,
+                                     args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
+                                     args.vllm_importance_sampling_clip_max)
+        per_token = weights.expand_as(mask)[mask.bool()]
+        # a *_mask mode zeroes what the policy now likes far more than the weights that sampled it; a
+        # negative-advantage rollout there is one the update should have pushed down and made likelier instead
+        negative = weights.expand_as(mask)[mask.bool() & (output["advantages"][:, None] < 0)]
+        metrics["async/importance_weight_mean"].append(per_token.mean().item() if per_token.numel() else 1.0)
+        metrics["async/importance_weight_zeroed"].append(_zeroed(per_token))
+        metrics["async/negative_zeroed"].append(_zeroed(negative))
+        output["advantages"] = fold_into_advantages(output["advantages"], weights, mask.size(1))
+        output[WEIGHTS] = weights
     log_staleness(proximal, output["sampling_per_token_logps"], mask, output["advantages"], args, metrics)
     return output
+
+
+def _zeroed(weights: torch.Tensor) -> float:
+    """The share of ``weights`` that are 0 (0 when there are none)."""
+    return (weights == 0).float().mean().item() if weights.numel() else 0.0
 
 
 def log_staleness(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
