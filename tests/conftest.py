@@ -6,6 +6,8 @@ Servers are started by the tests themselves, never by hand, so a fresh clone on 
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -30,6 +32,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # SQuAD dev articles whose paragraphs form the small test corpus (and whose questions the tests ask).
 TEST_CORPUS_ARTICLES = 8
+
+
+@functools.cache
+def script(name: str):
+    """``scripts/<name>.py`` as a module, loaded once: tests run a script's ``main()`` in their own process where a
+    fresh interpreter would only add the imports (TRL's alone takes ~10 s)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def serve_fake(answer, port: int | None = None) -> ThreadingHTTPServer:

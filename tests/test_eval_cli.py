@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -18,7 +17,7 @@ from unittest import mock
 import httpx
 import pandas as pd
 import pytest
-from conftest import free_port
+from conftest import free_port, script
 
 from searchr1_trl.cli import eval as eval_cli
 
@@ -156,12 +155,9 @@ def eval_cli_configs(checkpoint, data, out, generator_url, retriever_url):
 
 
 def eval_offline(*argv: str) -> None:
-    """scripts/eval_offline.py run in this process with ``argv``: a fresh interpreter would import TRL again."""
-    spec = importlib.util.spec_from_file_location("eval_offline", ROOT / "scripts" / "eval_offline.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    """scripts/eval_offline.py run in this process with ``argv``."""
     with mock.patch.object(sys, "argv", ["eval_offline.py", *argv]):
-        script.main()
+        script("eval_offline").main()
 
 
 @pytest.mark.slow  # builds an index and starts the real retriever

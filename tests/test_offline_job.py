@@ -1,8 +1,6 @@
 """The GPU plans of scripts/offline_job.py, checked on CPU through --dry_run (the commands it would launch)."""
 
 import contextlib
-import functools
-import importlib.util
 import io
 import json
 import os
@@ -11,16 +9,9 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+from conftest import script
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@functools.cache
-def offline_job():
-    """scripts/offline_job.py as a module."""
-    spec = importlib.util.spec_from_file_location("offline_job", ROOT / "scripts" / "offline_job.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def dry_run(*flags: str) -> tuple[int, str, str]:
@@ -30,7 +21,7 @@ def dry_run(*flags: str) -> tuple[int, str, str]:
     with mock.patch.object(sys, "argv", ["offline_job.py", "--dry_run", *flags]), mock.patch.dict(os.environ), \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            offline_job().main()
+            script("offline_job").main()
         except SystemExit as exit_:
             code = exit_.code
     return code, out.getvalue(), err.getvalue()
@@ -108,6 +99,6 @@ def test_the_summary_splits_a_step_into_push_rollouts_scoring_and_update():
     step = {"step_time": 6.0, "rollout/time_s": 2.0, "weight_sync/time_s": 0.5, "generate_and_score/time_s": 3.0,
             "rollout/generated_tokens": 400.0}
     history = [step, {**step, "step_time": 8.0, "generate_and_score/time_s": 4.0}, {"eval_runtime": 5.0}]
-    assert offline_job().time_split(history, rollouts_per_step=64) == {
+    assert script("offline_job").time_split(history, rollouts_per_step=64) == {
         "step": 7.0, "rollout": 2.0, "weight_sync": 0.5, "scoring": 1.0, "policy_update": 3.5,
         "evaluation_each": 5.0, "rollout_tokens_per_s": 200.0, "rollouts_per_s": 32.0}
