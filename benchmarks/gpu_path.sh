@@ -87,6 +87,9 @@ variant_flags() {
       # stale negatives the policy left dropped, those it now likes more kept, at weight 3 at most
     async_compiled_packed) echo "--async_rollouts true --max_staleness 1 --compile_layers true --padding_free true" \
       "--weight_sync ipc" ;;  # every speed lever at once
+    async_safe_compiled_packed) echo "$(variant_flags async_safe) --compile_layers true --padding_free true" ;;  # the
+      # speed levers over async_safe: alone, async_safe can reach ~1.6x lock-step (the update stays in series);
+      # 2x needs the compiled, packed update too
     top1) echo "--topk 1 --weight_sync ipc" ;;  # the levers, on the recipe as last measured (sync_ipc)
     g16) echo "--num_generations 16 --weight_sync ipc" ;;
     nosearch) echo "--no_search_penalty 0.1 --weight_sync ipc" ;;
@@ -110,7 +113,7 @@ variant_flags() {
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
     *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, async_opm, async_trunc, async_safe," \
          "eager, compiled, packed," \
-         "compiled_packed, async_compiled_packed," \
+         "compiled_packed, async_compiled_packed, async_safe_compiled_packed," \
          "top1, g16, nosearch, clip20, warmup10, steps80, repair, close, topp95, pages, pages4 or q15" >&2
        return 2 ;;
   esac
