@@ -65,7 +65,7 @@ def launch(args) -> None:
         ]
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "command.json").write_text(json.dumps({"variant": variant, "flags": flags, "seed": seed,
-                                                          "command": command}))
+                                                          "side_by_side": len(grid), "command": command}))
         log = open(folder / "job.log", "w")  # noqa: SIM115 - held open for the job's lifetime
         jobs.append((folder, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)))
         time.sleep(args.stagger_s)  # the index builds and model loads overlap less
@@ -167,6 +167,7 @@ def report(out: Path, baseline: str | None = None) -> dict:
             "gain_last": _spread(gains_last), "gain_chosen": _spread(gains_chosen),
             "train_runtime_s": _spread([r["train_runtime_s"] for r in done if r["train_runtime_s"] is not None]),
             "steps": sorted({r["steps"] for r in done}),
+            "side_by_side": sorted({r.get("side_by_side") for r in done}, key=str),
             **_common_step([r for r in records if r["variant"] == variant and "em" in r]),
         }
     (out / "learning.json").write_text(json.dumps({"variants": table, "runs": records}, indent=2))
@@ -366,11 +367,13 @@ def variant_table(table: dict, baseline: str | None = None) -> str:
     """One Markdown row per variant, each figure a mean ± sd (min) over seeds on its sample: EM of the warm start, the
     last step and the chosen checkpoint, and GRPO's gain over the warm start at both (what issue 22's goal reads);
     the gain at the newest step all seeds reached, unfinished ones included (its step and seeds beside it);
-    mean ``train_runtime`` and, where a ``baseline`` variant is named, the speedup over it: "-" without one, and
-    "-" with the step counts where they differ (a run the collapse guard stopped early is no faster for it). Rows as
-    printed: tests/test_learning_report.py."""
+    mean ``train_runtime`` and, where a ``baseline`` variant is named, the speedup over it: "-" without one, "-" with
+    the step counts where they differ (a run the collapse guard stopped early is no faster for it), and "-" with the
+    number of runs that shared the GPU where that differs (three runs side by side step faster than six, whatever the
+    mode). Rows as printed: tests/test_learning_report.py."""
     reference = table[baseline]["train_runtime_s"]["mean"] if baseline in table else None
     reference_steps = table[baseline]["steps"] if baseline in table else None
+    reference_sharing = table[baseline]["side_by_side"] if baseline in table else None
     lines = ["| variant | flags | sample | seeds | warm start | EM last step | EM chosen | gain, last step | "
              "gain, chosen | gain, step all seeds reached | train_runtime s | speedup |", "| --- " * 12 + "|"]
     for variant, row in table.items():
@@ -380,6 +383,10 @@ def variant_table(table: dict, baseline: str | None = None) -> str:
         elif row["steps"] != reference_steps:
             counts = ["/".join(map(str, steps)) for steps in (row["steps"], reference_steps)]
             speedup = f"- ({counts[0]} steps, the baseline {counts[1]})"
+        elif row["side_by_side"] != reference_sharing:
+            counts = ["/".join("unrecorded" if n is None else str(n) for n in sharing)
+                      for sharing in (row["side_by_side"], reference_sharing)]
+            speedup = f"- ({counts[0]} runs on the GPU, the baseline's {counts[1]})"
         else:
             speedup = f"{reference / runtime:.2f}x"
         common = "-" if row["common_step"] is None else (

@@ -7,10 +7,13 @@ import pytest
 from benchmarks.learning import failures, pool, report
 
 
-def finished_run(out, variant, seed, runtime, em_last, report_sample=True, steps=30):
+def finished_run(out, variant, seed, runtime, em_last, report_sample=True, steps=30, side_by_side=None):
     folder = out / f"{variant}_s{seed}"
     folder.mkdir(parents=True)
-    (folder / "command.json").write_text(json.dumps({"variant": variant, "flags": "", "seed": seed, "command": []}))
+    command = {"variant": variant, "flags": "", "seed": seed, "command": []}
+    if side_by_side is not None:  # runs launched before the count was recorded have none
+        command["side_by_side"] = side_by_side
+    (folder / "command.json").write_text(json.dumps(command))
     (folder / "summary.json").write_text(json.dumps({
         "steps": steps, "train_runtime_s": runtime, "best_step": steps,
         "evals": [{"step": 0, "eval_em": 0.40, **({"report_em": 0.40} if report_sample else {})},
@@ -97,6 +100,19 @@ def test_a_run_the_collapse_guard_stopped_early_gets_no_speedup_from_its_fewer_s
     printed = capsys.readouterr().out
     assert "| 172.0 | - (10 steps, the baseline 30) |" in printed
     assert "| 288.0 | 1.00x |" in printed
+
+
+def test_runs_that_shared_the_gpu_with_more_jobs_than_the_baseline_get_no_speedup(tmp_path, capsys):
+    # 2026-12-03/05, one H200: lock-step in a batch of six runs, async_safe in a batch of three two days later
+    for seed in range(3):
+        finished_run(tmp_path, "sync_ipc", seed, 700.0, 0.38, steps=50, side_by_side=6)
+        finished_run(tmp_path, "async_safe", seed, 488.5, 0.38, steps=50, side_by_side=3)
+        finished_run(tmp_path, "async_old", seed, 703.0, 0.36, steps=50)
+    report(tmp_path, baseline="sync_ipc")
+    printed = capsys.readouterr().out
+    assert "| 488.5 | - (3 runs on the GPU, the baseline's 6) |" in printed
+    assert "| 703.0 | - (unrecorded runs on the GPU, the baseline's 6) |" in printed
+    assert "| 700.0 | 1.00x |" in printed
 
 
 def test_a_baseline_that_has_not_run_yet_leaves_the_speedup_out(tmp_path, capsys):
