@@ -24,9 +24,10 @@
 #   bash benchmarks/gpu_path.sh zero3_1gpu     # one GPU, ~2 min: Qwen3-1.7B's step through ZeRO-3, one process, MFU
 #   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, in series: the recipe's first 30 GRPO steps
 #                                              # alone on the GPU, CUDA graphs on; default sync (as in issue 23;
-#                                              # ~8 min on an H100 with its warm start), async_ipc, compiled_packed:
-#                                              # the levers apart, since async_compiled_packed (every lever) collapsed
-#                                              # by step 10 on an H100 (docs/results/README.md)
+#                                              # ~8 min on an H100 with its warm start) then async_safe (the async
+#                                              # mode that held the recipe's learning on 3 seeds): two modes fit a
+#                                              # session's device time; async_safe_pause and
+#                                              # async_safe_compiled_packed next, each beside sync again
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
@@ -87,6 +88,8 @@ variant_flags() {
       # stale negatives the policy left dropped, those it now likes more kept, at weight 3 at most
     async_compiled_packed) echo "--async_rollouts true --max_staleness 1 --compile_layers true --padding_free true" \
       "--weight_sync ipc" ;;  # every speed lever at once
+    async_safe_pause) echo "$(variant_flags async_safe) --in_flight_rollouts pause" ;;  # a push freezes the rollouts
+      # in flight (vLLM's /pause) instead of waiting for them: alone on an H100 that wait was 3.1-4.7 s a push
     async_safe_compiled_packed) echo "$(variant_flags async_safe) --compile_layers true --padding_free true" ;;  # the
       # speed levers over async_safe: alone, async_safe can reach ~1.6x lock-step (the update stays in series);
       # 2x needs the compiled, packed update too
@@ -113,7 +116,7 @@ variant_flags() {
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
     *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, async_opm, async_trunc, async_safe," \
          "eager, compiled, packed," \
-         "compiled_packed, async_compiled_packed, async_safe_compiled_packed," \
+         "compiled_packed, async_compiled_packed, async_safe_pause, async_safe_compiled_packed," \
          "top1, g16, nosearch, clip20, warmup10, steps80, repair, close, topp95, pages, pages4 or q15" >&2
        return 2 ;;
   esac
@@ -222,7 +225,7 @@ case "${1:?step}" in
       "--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200" ;;
   e2e_alone)  # issue 23's end to end: the recipe's first 30 GRPO steps (warm start, evaluations every 10 steps
     # included as committed), each mode alone on the GPU with CUDA graphs; against the lock-step tmpfs reload first
-    in_series e2e_alone "${2:-sync async_ipc compiled_packed}" "--max_steps 30" ;;
+    in_series e2e_alone "${2:-sync async_safe}" "--max_steps 30" ;;
   rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768;
     # $2: more retrieval server flags, e.g. "--device cpu" (its encoder on the host's cores)
     python3 -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \
