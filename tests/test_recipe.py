@@ -3,11 +3,14 @@ configures, wired in one function; fields the trainer owns refused; asset paths 
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 from dataclasses import fields
 
 import pytest
 
-from searchr1_trl import assets
+from searchr1_trl import assets, async_rollouts
 from searchr1_trl.cli.train import main as train_main
 from searchr1_trl.plan import PlanError, check_machine, validate_plan
 from searchr1_trl.recipe import (
@@ -91,6 +94,44 @@ def test_the_staleness_corrections_knobs_are_checked_before_a_step_reads_them():
     args = parse_recipe("offline_gpu", "--vllm_importance_sampling_mode", "sequence_truncate",
                         "--off_policy_mask_threshold", "0.02")[0]
     assert (args.vllm_importance_sampling_mode, args.off_policy_mask_threshold) == ("sequence_truncate", 0.02)
+
+
+def gpu_path_variants() -> dict[str, list[str]]:
+    """Each learning variant of ``benchmarks/gpu_path.sh`` and the flags it lays over ``offline_gpu``, as bash gives
+    them (the names from the script's own refusal of an unknown one)."""
+    script = CONFIGS.parent / "benchmarks" / "gpu_path.sh"
+
+    def variant_flags(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f'source <(sed -n "/^variant_flags()/,/^}}/p" {script}); '
+                               f'variant_flags "$0"', name], capture_output=True, text=True,
+                              env={**os.environ, "SIBLING": "/models/sibling"})
+
+    refusal = variant_flags("no-such-variant").stderr
+    names = re.findall(r"[a-z0-9_]+", refusal.split("expected", 1)[1].replace(" or ", ", "))
+    return {name: variant_flags(name).stdout.split() for name in names}
+
+
+def test_every_learning_variant_of_the_gpu_script_is_a_valid_offline_gpu_recipe():
+    # a typo in a variant's flags would cost a GPU session's device time to find
+    variants = gpu_path_variants()
+    assert {"sync", "sync_ipc", "async_safe", "async_safe_pause", "async_safe_compiled_packed", "q15"} <= set(variants)
+    parsed = {}
+    for name, flags in variants.items():
+        if "--model" in flags:  # offline_job's own flag (it serves and trains that folder), not a recipe field
+            i = flags.index("--model")
+            assert flags[i + 1] == "/models/sibling", name
+            del flags[i:i + 2]
+        args = parse_recipe("offline_gpu", *flags)[0]  # the recipe's own plan check: the test above
+        if args.async_rollouts:
+            async_rollouts.check_recipe(args, deepspeed=False)  # what the trainer checks before its first step
+        parsed[name] = args
+    safe = parsed["async_safe_pause"]
+    assert (safe.async_rollouts, safe.max_staleness, safe.weight_sync, safe.in_flight_rollouts) == (True, 1, "ipc",
+                                                                                                    "pause")
+    assert (safe.vllm_importance_sampling_mode, safe.off_policy_mask_threshold) == ("sequence_truncate", 0.02)
+    fast = parsed["async_safe_compiled_packed"]
+    assert (fast.compile_layers, fast.padding_free, fast.off_policy_mask_threshold) == (True, True, 0.02)
+    assert not parsed["sync"].async_rollouts
 
 
 def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):
