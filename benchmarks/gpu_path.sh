@@ -25,7 +25,7 @@
 #   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, in series: the recipe's first 30 GRPO steps
 #                                              # alone on the GPU, CUDA graphs on; default sync (as in issue 23;
 #                                              # ~8 min on an H100 with its warm start) then async_safe (the async
-#                                              # mode that held the recipe's learning on 3 seeds): two modes fit a
+#                                              # mode within 0.02 EM of lock-step on 3 seeds): two modes fit a
 #                                              # session's device time; async_safe_pause and
 #                                              # async_safe_compiled_packed next, each beside sync again
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
