@@ -96,32 +96,34 @@ def test_the_staleness_corrections_knobs_are_checked_before_a_step_reads_them():
     assert (args.vllm_importance_sampling_mode, args.off_policy_mask_threshold) == ("sequence_truncate", 0.02)
 
 
-def gpu_path_variants() -> dict[str, list[str]]:
-    """Each learning variant of ``benchmarks/gpu_path.sh`` and the flags it lays over ``offline_gpu``, as bash gives
-    them (the names from the script's own refusal of an unknown one)."""
+def gpu_path_variants() -> tuple[dict[str, list[str]], list[str]]:
+    """Each learning variant of ``benchmarks/gpu_path.sh`` (the labels of its ``variant_flags`` case) with the flags
+    it lays over ``offline_gpu`` as bash gives them, and the names the script's refusal of an unknown one lists."""
     script = CONFIGS.parent / "benchmarks" / "gpu_path.sh"
+    function = re.search(r"^variant_flags\(\) \{\n.*?^\}", script.read_text(), re.M | re.S).group(0)
+    labels = [name for case in re.findall(r"^ {4}([a-z0-9_|]+)\)", function, re.M) for name in case.split("|")]
 
     def variant_flags(name: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-c", f'source <(sed -n "/^variant_flags()/,/^}}/p" {script}); '
-                               f'variant_flags "$0"', name], capture_output=True, text=True,
-                              env={**os.environ, "SIBLING": "/models/sibling"})
+        return subprocess.run(["bash", "-c", f'{function}\nvariant_flags "$0"', name], capture_output=True,
+                              text=True, env={**os.environ, "SIBLING": "/models/sibling"})
 
     refusal = variant_flags("no-such-variant").stderr
-    names = re.findall(r"[a-z0-9_]+", refusal.split("expected", 1)[1].replace(" or ", ", "))
-    return {name: variant_flags(name).stdout.split() for name in names}
+    listed = re.findall(r"[a-z0-9_]+", refusal.split("expected", 1)[1].replace(" or ", ", "))
+    return {name: variant_flags(name).stdout.split() for name in labels}, listed
 
 
 def test_every_learning_variant_of_the_gpu_script_is_a_valid_offline_gpu_recipe():
     # a typo in a variant's flags would cost a GPU session's device time to find
-    variants = gpu_path_variants()
+    variants, listed = gpu_path_variants()
     assert {"sync", "sync_ipc", "async_safe", "async_safe_pause", "async_safe_compiled_packed", "q15"} <= set(variants)
+    assert sorted(listed) == sorted(variants), "the refusal of an unknown variant names every variant there is"
     parsed = {}
     for name, flags in variants.items():
         if "--model" in flags:  # offline_job's own flag (it serves and trains that folder), not a recipe field
             i = flags.index("--model")
             assert flags[i + 1] == "/models/sibling", name
             del flags[i:i + 2]
-        args = parse_recipe("offline_gpu", *flags)[0]  # the recipe's own plan check: the test above
+        args = parse_recipe("offline_gpu", *flags)[0]  # unknown flags and the config's own checks refuse here
         if args.async_rollouts:
             async_rollouts.check_recipe(args, deepspeed=False)  # what the trainer checks before its first step
         parsed[name] = args
