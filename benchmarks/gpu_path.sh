@@ -23,11 +23,11 @@
 #                                              # and compiled, with and without its activation checkpointing
 #   bash benchmarks/gpu_path.sh zero3_1gpu     # one GPU, ~2 min: Qwen3-1.7B's step through ZeRO-3, one process, MFU
 #   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, in series: the recipe's first 30 GRPO steps
-#                                              # alone on the GPU, CUDA graphs on; default sync (as in issue 23;
-#                                              # ~8 min on an H100 with its warm start) then async_safe (the async
-#                                              # mode within 0.02 EM of lock-step on 3 seeds): two modes fit a
-#                                              # session's device time; async_safe_pause and
-#                                              # async_safe_compiled_packed next, each beside sync again
+#                                              # alone on the GPU, CUDA graphs on; default sync (lock-step, the IPC
+#                                              # push; ~6 min on an H200 with its warm start), async_safe (the async
+#                                              # mode within 0.02 EM of lock-step on 3 seeds), then reload (lock-step
+#                                              # through tmpfs: issue 23's baseline, 228 s on 2026-12-05), ~18 min;
+#                                              # async_safe_compiled_packed next, beside sync again
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
@@ -66,10 +66,11 @@ LIGHT_SAVES="--save_only_model true --save_total_limit 1"  # runs side by side: 
 # A learning batch's named variants: the recipe flags each lays over offline_gpu.
 variant_flags() {
   case "$1" in
-    sync) echo "" ;;
+    sync) echo "" ;;  # the recipe: lock-step, the IPC push since 2026-12-05
+    reload) echo "--weight_sync reload" ;;  # lock-step through a tmpfs folder: the recipe's push until 2026-12-05
     async) echo "--async_rollouts true --max_staleness 1" ;;
     pause) echo "--async_rollouts true --max_staleness 1 --in_flight_rollouts pause" ;;
-    sync_ipc|eager) echo "--weight_sync ipc" ;;  # the push through CUDA IPC instead of tmpfs (eager: no compile)
+    sync_ipc|eager) echo "--weight_sync ipc" ;;  # the push through CUDA IPC (eager: no compile); = sync since 12-05
     compiled) echo "--compile_layers true --weight_sync ipc" ;;
     packed) echo "--padding_free true --weight_sync ipc" ;;
     compiled_packed) echo "--compile_layers true --padding_free true --weight_sync ipc" ;;
@@ -89,7 +90,8 @@ variant_flags() {
     async_compiled_packed) echo "--async_rollouts true --max_staleness 1 --compile_layers true --padding_free true" \
       "--weight_sync ipc" ;;  # every speed lever at once
     async_safe_pause) echo "$(variant_flags async_safe) --in_flight_rollouts pause" ;;  # a push freezes the rollouts
-      # in flight (vLLM's /pause) instead of waiting for them: alone on an H100 that wait was 3.1-4.7 s a push
+      # in flight (vLLM's /pause) instead of waiting for them (alone on an H100 that wait was 3.1-4.7 s a push); alone
+      # on an H200 it collapsed at step 13 (2026-12-05, docs/results/README.md)
     async_safe_compiled_packed) echo "$(variant_flags async_safe) --compile_layers true --padding_free true" ;;  # the
       # speed levers over async_safe: alone, async_safe can reach ~1.6x lock-step (the update stays in series);
       # 2x needs the compiled, packed update too
@@ -114,7 +116,7 @@ variant_flags() {
       # left a greedy policy that never searched again (2026-12-04)
     q15) echo "--model $SIBLING --dtype bfloat16 --fp32_master_weights true --per_device_train_batch_size 2" \
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
-    *) echo "variant $1; expected sync, async, pause, sync_ipc, async_ipc, async_opm, async_trunc, async_safe," \
+    *) echo "variant $1; expected sync, reload, async, pause, sync_ipc, async_ipc, async_opm, async_trunc, async_safe," \
          "eager, compiled, packed," \
          "compiled_packed, async_compiled_packed, async_safe_pause, async_safe_compiled_packed," \
          "top1, g16, nosearch, clip20, warmup10, steps80, repair, close, topp95, pages, pages4 or q15" >&2
@@ -224,8 +226,8 @@ case "${1:?step}" in
     EAGER=1 in_series trainer_compile_serial "${2:-eager compiled packed compiled_packed}" \
       "--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200" ;;
   e2e_alone)  # issue 23's end to end: the recipe's first 30 GRPO steps (warm start, evaluations every 10 steps
-    # included as committed), each mode alone on the GPU with CUDA graphs; against the lock-step tmpfs reload first
-    in_series e2e_alone "${2:-sync async_safe}" "--max_steps 30" ;;
+    # included as committed), each mode alone on the GPU with CUDA graphs; the speedups over the first mode
+    in_series e2e_alone "${2:-sync async_safe reload}" "--max_steps 30" ;;
   rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768;
     # $2: more retrieval server flags, e.g. "--device cpu" (its encoder on the host's cores)
     python3 -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \

@@ -11,10 +11,11 @@ reward/EM curves (PNG) and a summary -> servers stopped.
     python scripts/offline_job.py ... --dry_run      # print the three launch commands as JSON and exit
 
 GPU plans: ``generator: vllm`` starts ``trl vllm-serve`` on ``--generator_gpu`` (its memory share is
-``--generator_gpu_memory_utilization``, low when it shares the GPU with the trainer). With ``weight_sync: reload``
-the weights go through a folder under ``/dev/shm`` (tmpfs: no disk in the way), the only push that works when
-generator and trainer share one GPU (two processes on one GPU cannot form an NCCL pair); ``weight_sync: nccl``
-needs them on different GPUs. The retriever searches on ``--retriever_gpu`` (flat index, torch backend).
+``--generator_gpu_memory_utilization``, low when it shares the GPU with the trainer). When generator and trainer
+share one GPU (two processes on one GPU cannot form an NCCL pair) the weights go either through CUDA IPC
+(``weight_sync: ipc``, offline_gpu's: the server is started with the IPC loader) or through a folder under
+``/dev/shm`` (``weight_sync: reload``; tmpfs: no disk in the way, and no CUDA needed); ``weight_sync: nccl`` needs
+them on different GPUs. The retriever searches on ``--retriever_gpu`` (flat index, torch backend).
 
 On a 2-core CPU the whole SQuAD-open corpus (31k passages) takes ~12 minutes to embed, so the job indexes a slice
 that still holds every answer it asks about: the paragraphs of the first ``--test_articles`` SQuAD dev articles

@@ -133,11 +133,14 @@ class SearchR1Trainer(GRPOTrainer):
             self.add_callback(self.collapse_guard)
         self.engine = RolloutEngine(self.processing_class, self.task.generator(self.model, self.processing_class),
                                     self.envs, self.task.rollout)
-        if args.generator == "vllm" and args.weight_sync == "ipc" and (
-                self.accelerator.num_processes > 1 or self.is_deepspeed_enabled):
-            raise ValueError("weight_sync='ipc' pushes from one trainer process without DeepSpeed to a server on its "
-                             f"GPU (here {self.accelerator.num_processes} processes, DeepSpeed "
-                             f"{self.is_deepspeed_enabled}); use weight_sync='nccl'")
+        if args.generator == "vllm" and args.weight_sync == "ipc":
+            if self.accelerator.device.type != "cuda":  # else the first push fails, in the server's words
+                raise ValueError(f"weight_sync='ipc' shares CUDA memory with a server on the trainer's GPU; this "
+                                 f"trainer runs on {self.accelerator.device.type}: use weight_sync='reload'")
+            if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled:
+                raise ValueError("weight_sync='ipc' pushes from one trainer process without DeepSpeed to a server on "
+                                 f"its GPU (here {self.accelerator.num_processes} processes, DeepSpeed "
+                                 f"{self.is_deepspeed_enabled}); use weight_sync='nccl'")
         self.weight_push = (weight_push(args, self.accelerator, getattr(self, "vllm_generation", None))
                             if args.generator == "vllm" else None)
         if isinstance(self.weight_push, ReloadPush):

@@ -73,8 +73,11 @@ def test_an_ipc_plan_serves_on_the_trainers_gpu_with_the_ipc_loader_and_refuses_
     assert generator[generator.index("--worker-extension-cls") + 1] == "searchr1_trl.weight_sync.IpcWeightLoader"
     args = commands["trainer"]["command"]
     assert args[args.index("--weight_sync") + 1] == "ipc"
-    plain = plan("--config", "offline_gpu", "--generator", "vllm")["generator"]["command"]
-    assert "--worker-extension-cls" not in plain
+    default = plan("--config", "offline_gpu", "--generator", "vllm")  # the recipe's own push since 2026-12-05
+    assert "--worker-extension-cls" in default["generator"]["command"]
+    assert "--weight_sync" not in default["trainer"]["command"]  # the recipe says ipc; the job adds nothing
+    reload = plan("--config", "offline_gpu", "--generator", "vllm", "--weight_sync", "reload")["generator"]["command"]
+    assert "--worker-extension-cls" not in reload
     # the script itself, as a command
     refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--dry_run", "--config",
                               "offline_gpu", "--generator", "vllm", "--weight_sync", "ipc", "--generator_gpu", "0",
@@ -82,6 +85,10 @@ def test_an_ipc_plan_serves_on_the_trainers_gpu_with_the_ipc_loader_and_refuses_
     assert refused.returncode == 2
     assert "--weight_sync ipc pushes to a server on the trainer's own GPU; got --generator_gpu 0 and --trainer_gpu 1" \
         in refused.stderr
+    # the recipe's default push too: two GPUs need --weight_sync nccl, as the recipe's two-GPU command passes
+    code, _, err = dry_run("--config", "offline_gpu", "--generator", "vllm", "--generator_gpu", "0",
+                           "--trainer_gpu", "1")
+    assert code == 2 and "--weight_sync ipc pushes to a server on the trainer's own GPU" in err
 
 
 def test_another_model_is_served_and_trained_through_model_and_refused_through_model_name_or_path(offline_assets):

