@@ -63,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import logging
 import math
 import threading
 import time
@@ -73,6 +74,8 @@ from dataclasses import dataclass, field
 import torch
 
 from searchr1_trl.update import loss_mask
+
+logger = logging.getLogger(__name__)
 
 LINEAR_IN_ADVANTAGE_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
 TOKEN_SUM_LOSSES = ("dapo", "cispo")  # summed over tokens / num_items_in_batch: the KL term's weighting (weighted_kl)
@@ -99,7 +102,7 @@ class AsyncRolloutsConfig:
         metadata={"help": "With async_rollouts, the rollouts in flight at a weight push: `finish` waits for them "
                           "(they end on the weights they started with); `pause` freezes them on the vLLM server for "
                           "the push (/pause) and lets them go on with the new weights, without the wait. `pause` "
-                          "needs generator vllm."},
+                          "needs generator vllm; it collapsed the one GPU run measured (a warning says so)."},
     )
 
     def __post_init__(self):
@@ -116,6 +119,11 @@ def check_recipe(args, deepspeed: bool) -> None:
     if args.in_flight_rollouts == "pause" and args.generator != "vllm":
         raise ValueError(f"in_flight_rollouts='pause' with generator={args.generator!r}: pausing rollouts for a push "
                          "is vLLM's (/pause on the server); use generator='vllm' or in_flight_rollouts='finish'")
+    if args.in_flight_rollouts == "pause":
+        logger.warning("in_flight_rollouts='pause': its one GPU run (H200, vLLM 0.26, 2026-12-05) served weights the "
+                       "trainer did not hold at step 13 (importance weight mean 1.8e-07) and collapsed, where 'finish' "
+                       "ran sound; the cause is not found (docs/results/README.md, 'Alone on the GPU'). Use 'finish' "
+                       "unless you are investigating it")
     if args.loss_type not in LINEAR_IN_ADVANTAGE_LOSSES:
         raise ValueError(f"async_rollouts with loss_type={args.loss_type!r}: the staleness correction weights the "
                          "advantages, which equals weighting the loss only for "

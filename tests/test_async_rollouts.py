@@ -352,14 +352,15 @@ def test_recipes_that_cannot_pause_rollouts_in_flight_are_refused(tiny_model_dir
 
 
 class StreamedCompletion(threading.Thread):
-    """A greedy completion streamed from the server; ``started`` is set once ``after`` chunks have arrived."""
+    """A greedy completion streamed from the server, its text and token ids; ``started`` is set once ``after`` chunks
+    have arrived."""
 
     def __init__(self, base_url: str, model: str, prompt_ids: list[int], max_tokens: int, after: int = 3):
         super().__init__(daemon=True)
         self.request = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
-                        "stream": True, "ignore_eos": True}
+                        "stream": True, "ignore_eos": True, "return_token_ids": True}
         self.base_url, self.after = base_url, after
-        self.started, self.chunks, self.finish_reason = threading.Event(), [], None
+        self.started, self.chunks, self.token_ids, self.finish_reason = threading.Event(), [], [], None
 
     def run(self):
         with httpx.Client(base_url=self.base_url, timeout=600) as client, \
@@ -369,6 +370,7 @@ class StreamedCompletion(threading.Thread):
                     continue
                 choice = json.loads(line.removeprefix("data: "))["choices"][0]
                 self.chunks.append(choice["text"])
+                self.token_ids.extend(choice.get("token_ids") or [])
                 self.finish_reason = choice["finish_reason"] or self.finish_reason
                 if len(self.chunks) >= self.after:
                     self.started.set()
@@ -384,17 +386,19 @@ class ReloadFolder:
         reload_weights(self.base_url, self.folder)
 
 
-def final_norm_folder(model_dir: str, folder: Path, sign: float) -> Path:
-    """A checkpoint folder holding only the final norm of ``model_dir``, times ``sign``: vLLM's layerwise reload keeps
-    every weight the folder leaves out, so -1 negates every logit and +1 restores the model."""
+def first_norm_folder(model_dir: str, folder: Path, sign: float) -> Path:
+    """A checkpoint folder holding only the first layer's input norm of ``model_dir``, times ``sign``: vLLM's layerwise
+    reload keeps every weight the folder leaves out, so -1 negates that layer's queries, keys and values (every key and
+    value the server caches from then on differs) and +1 restores the model."""
+    name = "model.layers.0.input_layernorm.weight"
     with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as weights:
-        norm = weights.get_tensor("model.norm.weight")
+        norm = weights.get_tensor(name)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({"model.norm.weight": norm * sign}, str(folder / "model.safetensors"))
+    save_file({name: norm * sign}, str(folder / "model.safetensors"))
     return folder
 
 
-@pytest.mark.slow  # three greedy completions of 48 tokens on the CPU server
+@pytest.mark.slow  # four greedy completions of up to 48 tokens on the CPU server
 def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vllm_server, offline_assets, tokenizer,
                                                                            tmp_path):
     from accelerate import Accelerator
@@ -405,23 +409,31 @@ def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vll
                                                add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     old = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
     old.run()  # the old weights' greedy text, start to end
-    negated = ReloadFolder(vllm_server.base_url, final_norm_folder(offline_assets.model, tmp_path / "negated", -1.0))
-    push = PausedPush(negated, Accelerator(cpu=True), vllm_server.base_url)
+    changed = ReloadFolder(vllm_server.base_url, first_norm_folder(offline_assets.model, tmp_path / "changed", -1.0))
+    push = PausedPush(changed, Accelerator(cpu=True), vllm_server.base_url)
     in_flight = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
     in_flight.start()
     try:
         assert in_flight.started.wait(timeout=300), "the completion never started streaming"
         push.push(None)
         in_flight.join(timeout=600)
+        assert in_flight.finish_reason == "length"  # neither aborted nor cut: all 48 tokens, across the push
+        assert len(in_flight.token_ids) == len(old.token_ids) == 48
+        split = next((i for i, (a, b) in enumerate(zip(in_flight.token_ids, old.token_ids, strict=True)) if a != b),
+                     None)
+        assert split is not None and split >= in_flight.after  # the old weights chose what streamed before the pause
+        # From there on the new weights chose, attending to keys and values they computed themselves: the server
+        # dropped the in-flight request's cache at the push, so it recomputed it, and what it then generated is
+        # exactly the new weights' greedy continuation of what it had (KV of the old weights would change it).
+        resumed = StreamedCompletion(vllm_server.base_url, offline_assets.model,
+                                     prompt_ids + in_flight.token_ids[:split], max_tokens=48 - split)
+        resumed.run()
+        assert resumed.token_ids == in_flight.token_ids[split:]
     finally:  # the server is shared: give it its weights back
-        reload_weights(vllm_server.base_url, final_norm_folder(offline_assets.model, tmp_path / "restored", 1.0))
-    before_push = "".join(in_flight.chunks[:in_flight.after])
-    assert in_flight.finish_reason == "length"  # neither aborted nor cut: all 48 tokens, across the push
-    assert "".join(old.chunks).startswith(before_push)  # what streamed before the pause: the old weights' tokens
-    assert "".join(in_flight.chunks) != "".join(old.chunks)  # after the resume the new weights chose the tokens
+        reload_weights(vllm_server.base_url, first_norm_folder(offline_assets.model, tmp_path / "restored", 1.0))
     restored = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
     restored.run()
-    assert restored.chunks == old.chunks  # and the restore gave the server its own weights back
+    assert restored.token_ids == old.token_ids  # and the restore gave the server its own weights back
 
 
 @pytest.mark.slow  # a short training on CPU: 12-35 seconds each

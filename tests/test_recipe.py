@@ -112,6 +112,19 @@ def gpu_path_variants() -> tuple[dict[str, list[str]], list[str]]:
     return {name: variant_flags(name).stdout.split() for name in labels}, listed
 
 
+def test_pausing_rollouts_for_a_push_is_checked_with_a_warning_of_its_gpu_collapse(caplog):
+    args = parse_recipe("offline_gpu", "--generator", "vllm", "--async_rollouts", "true",
+                        "--in_flight_rollouts", "pause")[0]
+    with caplog.at_level("WARNING", logger="searchr1_trl.async_rollouts"):
+        async_rollouts.check_recipe(args, deepspeed=False)
+    assert "in_flight_rollouts='pause'" in caplog.text and "collapsed" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="searchr1_trl.async_rollouts"):
+        async_rollouts.check_recipe(parse_recipe("offline_gpu", "--generator", "vllm", "--async_rollouts", "true")[0],
+                                    deepspeed=False)
+    assert "in_flight_rollouts" not in caplog.text  # the default, finish, runs as measured
+
+
 def test_every_learning_variant_of_the_gpu_script_is_a_valid_offline_gpu_recipe():
     # a typo in a variant's flags would cost a GPU session's device time to find
     variants, listed = gpu_path_variants()
