@@ -74,6 +74,10 @@ variant_flags() {
     compiled) echo "--compile_layers true --weight_sync ipc" ;;
     packed) echo "--padding_free true --weight_sync ipc" ;;
     compiled_packed) echo "--compile_layers true --padding_free true --weight_sync ipc" ;;
+    nockpt) echo "--activation_checkpointing false" ;;  # the recipe inherits TRL's checkpointing (on): a second
+      # forward per micro-batch, for activations of 4 rows of a 0.5B model. The update alone was 3.1 s a step where
+      # benchmarks.policy_update's loop without it takes 1.04 s (docs/results/README.md, "Alone on the GPU")
+    compiled_packed_nockpt) echo "$(variant_flags compiled_packed) $(variant_flags nockpt)" ;;  # every update lever
     async_ipc) echo "--async_rollouts true --max_staleness 1 --weight_sync ipc" ;;
     async_opm) echo "$(variant_flags async_ipc) --off_policy_mask_threshold 0.02" ;;
       # async_ipc with TRL's off-policy sequence mask: a negative-advantage rollout whose tokens lost more than 0.02
@@ -116,9 +120,9 @@ variant_flags() {
       # left a greedy policy that never searched again (2026-12-04)
     q15) echo "--model $SIBLING --dtype bfloat16 --fp32_master_weights true --per_device_train_batch_size 2" \
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
-    *) echo "variant $1; expected sync, reload, async, pause, sync_ipc, async_ipc, async_opm, async_trunc, async_safe," \
-         "eager, compiled, packed," \
-         "compiled_packed, async_compiled_packed, async_safe_pause, async_safe_compiled_packed," \
+    *) echo "variant $1; expected sync, reload, async, pause, sync_ipc, async_ipc, async_opm, async_trunc," \
+         "async_safe, eager, compiled, packed, compiled_packed, nockpt, compiled_packed_nockpt," \
+         "async_compiled_packed, async_safe_pause, async_safe_compiled_packed," \
          "top1, g16, nosearch, clip20, warmup10, steps80, repair, close, topp95, pages, pages4 or q15" >&2
        return 2 ;;
   esac

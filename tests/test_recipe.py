@@ -150,6 +150,9 @@ def test_every_learning_variant_of_the_gpu_script_is_a_valid_offline_gpu_recipe(
     assert not parsed["sync"].async_rollouts
     # e2e_alone's lock-step pair: the recipe's own push and the tmpfs reload it replaced (issue 23's baseline)
     assert (parsed["sync"].weight_sync, parsed["reload"].weight_sync) == ("ipc", "reload")
+    assert parsed["sync"].activation_checkpointing and not parsed["nockpt"].activation_checkpointing
+    every = parsed["compiled_packed_nockpt"]
+    assert (every.compile_layers, every.padding_free, every.activation_checkpointing) == (True, True, False)
 
 
 def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):
