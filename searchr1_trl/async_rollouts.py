@@ -120,10 +120,10 @@ def check_recipe(args, deepspeed: bool) -> None:
         raise ValueError(f"in_flight_rollouts='pause' with generator={args.generator!r}: pausing rollouts for a push "
                          "is vLLM's (/pause on the server); use generator='vllm' or in_flight_rollouts='finish'")
     if args.in_flight_rollouts == "pause":
-        logger.warning("in_flight_rollouts='pause': its one GPU run (H200, vLLM 0.26, 2026-12-05) served weights the "
-                       "trainer did not hold at step 13 (importance weight mean 1.8e-07) and collapsed, where 'finish' "
-                       "ran sound; the cause is not found (docs/results/README.md, 'Alone on the GPU'). Use 'finish' "
-                       "unless you are investigating it")
+        logger.warning("in_flight_rollouts='pause': in its one GPU run (H200, vLLM 0.26, 2026-12-05) the server and "
+                       "the trainer parted by 0.43 nats a token at step 13 (importance weight mean 1.8e-07) and it "
+                       "collapsed, where 'finish' ran sound; the cause is not found (docs/results/README.md, 'Alone "
+                       "on the GPU'). Use 'finish' unless you are investigating it")
     if args.loss_type not in LINEAR_IN_ADVANTAGE_LOSSES:
         raise ValueError(f"async_rollouts with loss_type={args.loss_type!r}: the staleness correction weights the "
                          "advantages, which equals weighting the loss only for "
