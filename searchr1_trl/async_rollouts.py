@@ -23,11 +23,12 @@ Off by default (``async_rollouts``). What this module decides:
   returns), bounded as TRL's ``vllm_importance_sampling_mode`` / ``_clip_min`` / ``_clip_max`` say (TRL 1.16 default:
   ``sequence_mask`` with C_max 3). TRL 1.16 computes exactly this weight in ``_generate_and_score_completions``, but
   only when ``use_vllm`` is set, which here means ``weight_sync="nccl"`` (its NCCL client): there TRL's is used as it
-  is. With ``weight_sync="reload"`` or the in-process generator TRL skips it, so :func:`importance_weights`
-  computes the same weight with the same knobs and :func:`fold_into_advantages` multiplies it into the advantages: for
-  every loss TRL builds as ``-min(r A, clip(r) A)`` or a multiple of ``A`` (grpo, bnpo, dr_grpo, dapo, luspo, cispo,
-  sapo) a weight ``w >= 0`` on ``A`` is the same as on the per-token loss, which is where TRL puts it (vespo is not
-  linear in ``A`` and is refused).
+  is. With ``weight_sync="reload"`` or ``"ipc"`` or the in-process generator TRL skips it, so
+  :func:`importance_weights` computes the same weight with the same knobs (from the current weights' log-probs of the
+  loss's own forward where TRL computed none: :class:`InLossWeights`, no forward of its own) and
+  :func:`fold_into_advantages` multiplies it into the advantages: for every loss TRL builds as ``-min(r A, clip(r)
+  A)`` or a multiple of ``A`` (grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo) a weight ``w >= 0`` on ``A`` is the
+  same as on the per-token loss, which is where TRL puts it (vespo is not linear in ``A`` and is refused).
 - **The KL term is weighted too.** TRL adds ``beta * KL`` to the per-token loss after its importance weight, and the
   k3 estimate ``exp(ref - logp) - (ref - logp) - 1`` assumes tokens sampled from the current policy. A rollout
   sampled a step earlier can hold a token the last update made far less likely while the reference still likes it:
@@ -266,16 +267,14 @@ class SnapshotPush:
         self.model.load_state_dict(model.state_dict())
 
 
-def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor], args,
-                        metrics: dict[str, list[float]]) -> dict:
-    """``output`` of ``GRPOTrainer._generate_and_score_completions`` with its advantages weighted per token by
-    :func:`importance_weights` (TRL's knobs), where TRL has not weighted the loss itself (see the module docstring);
-    the weights, TRL's or these, also under :data:`WEIGHTS` for the KL term. ``proximal_logps()`` computes the
-    current weights' log-probs when TRL did not (one forward without gradients, as TRL's vLLM path does)."""
+def weight_by_behaviour(output: dict, proximal: torch.Tensor, args, metrics: dict[str, list[float]] | None) -> dict:
+    """``output`` of ``GRPOTrainer._generate_and_score_completions`` (or one micro-batch of it) with its advantages
+    weighted per token by :func:`importance_weights` (TRL's knobs), where TRL has not weighted the loss itself (see the
+    module docstring); the weights, TRL's or these, also under :data:`WEIGHTS` for the KL term. ``proximal``: the
+    current weights' log-probs. Logs the weights and the staleness into ``metrics`` (None: not here, see
+    :class:`InLossWeights`)."""
     if not args.vllm_importance_sampling_correction:
         return output
-    proximal = output.get("old_per_token_logps")
-    proximal = proximal_logps() if proximal is None else proximal
     mask = loss_mask(output)
     if "importance_sampling_ratio" in output:  # TRL weights the loss itself; the KL term still needs the weights
         output[WEIGHTS] = output["importance_sampling_ratio"]
@@ -283,17 +282,42 @@ def weight_by_behaviour(output: dict, proximal_logps: Callable[[], torch.Tensor]
         weights = importance_weights(proximal, output["sampling_per_token_logps"], mask,
                                      args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                                      args.vllm_importance_sampling_clip_max)
-        per_token = weights.expand_as(mask)[mask.bool()]
-        # a *_mask mode zeroes what the policy now likes far more than the weights that sampled it; a
-        # negative-advantage rollout there is one the update should have pushed down and made likelier instead
-        negative = weights.expand_as(mask)[mask.bool() & (output["advantages"][:, None] < 0)]
-        metrics["async/importance_weight_mean"].append(per_token.mean().item() if per_token.numel() else 1.0)
-        metrics["async/importance_weight_zeroed"].append(_zeroed(per_token))
-        metrics["async/negative_zeroed"].append(_zeroed(negative))
+        if metrics is not None:
+            per_token = weights.expand_as(mask)[mask.bool()]
+            # a *_mask mode zeroes what the policy now likes far more than the weights that sampled it; a
+            # negative-advantage rollout there is one the update should have pushed down and made likelier instead
+            negative = weights.expand_as(mask)[mask.bool() & (output["advantages"][:, None] < 0)]
+            metrics["async/importance_weight_mean"].append(per_token.mean().item() if per_token.numel() else 1.0)
+            metrics["async/importance_weight_zeroed"].append(_zeroed(per_token))
+            metrics["async/negative_zeroed"].append(_zeroed(negative))
         output["advantages"] = fold_into_advantages(output["advantages"], weights, mask.size(1))
         output[WEIGHTS] = weights
-    log_staleness(proximal, output["sampling_per_token_logps"], mask, output["advantages"], args, metrics)
+    if metrics is not None:
+        log_staleness(proximal, output["sampling_per_token_logps"], mask, output["advantages"], args, metrics)
     return output
+
+
+class InLossWeights:
+    """The importance weights of a step whose current-weights log-probs TRL did not compute (one optimizer step per
+    generation, TRL's on-policy case): rather than a forward of its own over every rollout, each micro-batch is
+    weighted from its training forward's log-probs, detached. Within a step the weights do not change between
+    micro-batches, so those are the current weights' log-probs (TRL's own ``old = logp.detach()``), and TRL's loss
+    reads the advantages after that forward. The step's metrics are logged once, over all its ``rows`` rollouts, when
+    the last micro-batch is in, as :func:`weight_by_behaviour` logs a whole step."""
+
+    def __init__(self, rows: int):
+        self.rows, self.parts = rows, []
+
+    def fold(self, micro_batch: dict, proximal: torch.Tensor, args, metrics: dict[str, list[float]]) -> bool:
+        """Weight ``micro_batch``'s advantages in place; True once the step's last micro-batch is weighted."""
+        keys = ("advantages", "sampling_per_token_logps", "completion_mask", "tool_mask")
+        self.parts.append({"proximal": proximal, **{key: micro_batch[key] for key in keys if key in micro_batch}})
+        weight_by_behaviour(micro_batch, proximal, args, None)
+        if sum(part["advantages"].size(0) for part in self.parts) < self.rows:
+            return False
+        step = {key: torch.cat([part[key] for part in self.parts]) for key in self.parts[0]}
+        weight_by_behaviour(step, step.pop("proximal"), args, metrics)
+        return True
 
 
 def _zeroed(weights: torch.Tensor) -> float:

@@ -112,6 +112,8 @@ class SearchR1Trainer(GRPOTrainer):
         self._synced_step = -1
         self._loss_positions: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by _compute_loss
         self._loss_logps: list[torch.Tensor] | None = None  # collected by _compute_loss for the weighted KL
+        self._in_loss_weights: async_rollouts.InLossWeights | None = None  # a step weighted in its loss (async)
+        self._weigh: dict | None = None  # the micro-batch whose loss forward gives its weights
         # TRL requires a dataset object; this one describes the stream, the real batches come from QuestionBatches.
         train_dataset = datasets.IterableDataset.from_generator(lambda: iter(()))
         eval_dataset = datasets.Dataset.from_list([training_row(s, self.envs) for s in self.eval_samples]) or None
@@ -169,7 +171,8 @@ class SearchR1Trainer(GRPOTrainer):
         # (as TRL's on-policy case) and none overflows before the mask. With async rollouts and KL, TRL's loss runs
         # without its KL term and the weighted one is added here (async_rollouts.weighted_kl).
         mask = loss_mask(inputs)
-        weighted = self.beta != 0.0 and async_rollouts.WEIGHTS in inputs
+        self._weigh = inputs if self._in_loss_weights is not None else None  # set by a training step only
+        weighted = self.beta != 0.0 and (async_rollouts.WEIGHTS in inputs or self._weigh is not None)
         self._loss_positions = (mask.bool(), inputs.get("old_per_token_logps")) if self.args.padding_free else None
         self._loss_logps = [] if weighted else None
         beta, self.beta = self.beta, 0.0 if weighted else self.beta
@@ -177,7 +180,7 @@ class SearchR1Trainer(GRPOTrainer):
             loss = super()._compute_loss(model, inputs)
             logps = self._loss_logps
         finally:
-            self.beta, self._loss_positions, self._loss_logps = beta, None, None
+            self.beta, self._loss_positions, self._loss_logps, self._weigh = beta, None, None, None
         if not weighted:
             return loss
         kl, weighted_kl = async_rollouts.weighted_kl(torch.cat(logps), inputs, mask, self.args)
@@ -204,6 +207,10 @@ class SearchR1Trainer(GRPOTrainer):
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
         if self._loss_logps is not None:
             self._loss_logps.append(result[0])
+        if self._weigh is not None:  # the loss's forward: TRL reads the micro-batch's advantages after it
+            micro_batch, self._weigh = self._weigh, None
+            if self._in_loss_weights.fold(micro_batch, result[0].detach(), self.args, self._metrics["train"]):
+                self._in_loss_weights = None
         return result
 
     def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
@@ -263,15 +270,13 @@ class SearchR1Trainer(GRPOTrainer):
 
     def _weight_stale_rollouts(self, output: dict) -> dict:
         """With async_rollouts, the advantages weighted by pi_current / pi_behaviour where TRL did not weight the loss
-        (:func:`~searchr1_trl.async_rollouts.weight_by_behaviour`)."""
-        def proximal_logps():
-            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-            mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-            with torch.no_grad():
-                return self._get_per_token_logps_and_entropies(
-                    self.model, ids, mask, output["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size)[0]
-        return async_rollouts.weight_by_behaviour(output, proximal_logps, self.args, self._metrics["train"])
+        (:func:`~searchr1_trl.async_rollouts.weight_by_behaviour`): now from TRL's current-weights log-probs, or in
+        the loss from its forward's where TRL computed none (:class:`~searchr1_trl.async_rollouts.InLossWeights`)."""
+        proximal = output.get("old_per_token_logps")
+        if proximal is None and self.args.vllm_importance_sampling_correction:
+            self._in_loss_weights = async_rollouts.InLossWeights(output["advantages"].size(0))
+            return output
+        return async_rollouts.weight_by_behaviour(output, proximal, self.args, self._metrics["train"])
 
     # ---- rollouts ----------------------------------------------------------------------------------------------
 

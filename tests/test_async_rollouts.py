@@ -244,16 +244,54 @@ def test_the_mask_modes_count_the_negative_rollouts_they_zero():
                            vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=3.0,
                            off_policy_mask_threshold=None)
     metrics = defaultdict(list)
-    weighted = weight_by_behaviour(output(), lambda: pytest.fail("the proximal log-probs were given"), args, metrics)
+    weighted = weight_by_behaviour(output(), torch.zeros(4, 3), args, metrics)
     assert weighted["advantages"][:, 0].tolist() == [0.0, 0.0, -0.5, 0.5]
     assert metrics["async/importance_weight_zeroed"] == [0.5]
     assert metrics["async/negative_zeroed"] == [0.5]  # row 0 of the negative rows 0 and 2
     assert metrics["async/behaviour_kl"] == [pytest.approx(-1.0)]  # rows 0, 1: -2 a token; the current likes them
     args.vllm_importance_sampling_mode = "sequence_truncate"  # clipped to 3 instead: nothing zeroed
     metrics = defaultdict(list)
-    weighted = weight_by_behaviour(output(), None, args, metrics)
+    weighted = weight_by_behaviour(output(), torch.zeros(4, 3), args, metrics)
     assert weighted["advantages"][:, 0].tolist() == [-3.0, 3.0, -0.5, 0.5]
     assert metrics["async/negative_zeroed"] == [0.0]
+
+
+ASYNC_METRICS = ("async/importance_weight_mean", "async/importance_weight_zeroed", "async/negative_zeroed",
+                 "async/behaviour_kl", "async/behaviour_kl_max")
+
+
+@pytest.mark.parametrize("mode, padding_free", [("sequence_mask", False), ("token_truncate", True)])
+def test_a_step_is_weighted_in_its_loss_forward_as_by_a_forward_of_its_own(tiny_model_dir, questions_file, tmp_path,
+                                                                          mode, padding_free):
+    # TRL computes no current-weights log-probs when one optimizer step follows each generation; the importance
+    # weights then come from each micro-batch's training forward, detached, instead of one more forward over the step
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(
+        tmp_path, questions_file, beta=0.04, vllm_importance_sampling_mode=mode, padding_free=padding_free))
+    trainer.current_gradient_accumulation_steps = 1
+    batch = batch_with_reference(trainer)
+    current = batch["ref_per_token_logps"] - 0.3
+    # rollouts 0 and 1 sampled by weights that liked their tokens less (weights > 1: clipped or zeroed), 2 more
+    batch["sampling_per_token_logps"] = current + torch.tensor([[-0.4], [-1.0], [0.2], [0.0]])
+    metrics = defaultdict(list)
+    expected = weight_by_behaviour(dict(batch), current, trainer.args, metrics)
+    expected_loss, expected_grads = loss_and_grads(trainer, expected)
+    trainer._metrics["train"].clear()
+    forwards = []
+    hook = trainer.model.register_forward_hook(lambda *_: forwards.append(1))
+    step = trainer._weight_stale_rollouts(dict(batch))
+    hook.remove()
+    assert not forwards and step["advantages"].dim() == 1  # no forward of its own; nothing folded yet
+    halves = [{key: value if key == "num_items_in_batch" else value[rows] for key, value in step.items()}
+              for rows in (slice(0, 2), slice(2, 4))]
+    first_loss, first_grads = loss_and_grads(trainer, halves[0])
+    assert not any(key in trainer._metrics["train"] for key in ASYNC_METRICS)  # the step's, once it is all in
+    second_loss, second_grads = loss_and_grads(trainer, halves[1])
+    torch.testing.assert_close(first_loss + second_loss, expected_loss)
+    for name in expected_grads:
+        torch.testing.assert_close(first_grads[name] + second_grads[name], expected_grads[name])
+    for key in ASYNC_METRICS:
+        assert trainer._metrics["train"][key] == [pytest.approx(metrics[key][0])], key
+    assert trainer._in_loss_weights is None and metrics["async/importance_weight_mean"][0] != 1.0
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
