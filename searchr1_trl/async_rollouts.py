@@ -55,7 +55,8 @@ Off by default (``async_rollouts``). What this module decides:
 
 What of TRL 1.16 this relies on: the keys ``sampling_per_token_logps``, ``old_per_token_logps``,
 ``importance_sampling_ratio`` and ``ref_per_token_logps`` of ``_generate_and_score_completions``' output, and
-``_compute_loss`` reading (B, T) advantages as they are and building its KL term as :func:`weighted_kl` repeats it;
+``_compute_loss`` reading (B, T) advantages as they are, after its forward (where :class:`InLossWeights` folds them),
+and building its KL term as :func:`weighted_kl` repeats it;
 ``tests/test_async_rollouts.py`` checks the folded weight and the KL term against TRL's own.
 """
 
