@@ -153,6 +153,8 @@ def test_every_learning_variant_of_the_gpu_script_is_a_valid_offline_gpu_recipe(
     assert parsed["sync"].activation_checkpointing and not parsed["nockpt"].activation_checkpointing
     every = parsed["compiled_packed_nockpt"]
     assert (every.compile_layers, every.padding_free, every.activation_checkpointing) == (True, True, False)
+    lean = parsed["async_safe_nockpt"]
+    assert (lean.async_rollouts, lean.activation_checkpointing, lean.off_policy_mask_threshold) == (True, False, 0.02)
 
 
 def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):
