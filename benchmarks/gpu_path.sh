@@ -98,6 +98,10 @@ variant_flags() {
       # on an H200 it collapsed at step 13 (2026-12-05, docs/results/README.md)
     async_safe_nockpt) echo "$(variant_flags async_safe) $(variant_flags nockpt)" ;;  # the async mode with the
       # update's cheapest lever: nothing to compile, the same loss; alone on one GPU only the update stays in series
+    async_guard) echo "$(variant_flags async_safe_nockpt) --max_behaviour_kl 0.01" ;;  # a step whose rollouts the
+      # policy moved more than 0.01 nats a token from is skipped, so the next is on-policy. The committed async runs'
+      # gaps: medians 0.0003-0.0015; the four that ran to the end peaked at 0.009-0.080; the H100 collapse of
+      # async_safe_nockpt read 0.013 at step 7, then 0.245 (docs/results/README.md, "The update without checkpointing")
     async_safe_compiled_packed) echo "$(variant_flags async_safe) --compile_layers true --padding_free true" ;;  # the
       # speed levers over async_safe: alone, async_safe can reach ~1.6x lock-step (the update stays in series);
       # 2x needs the compiled, packed update too
@@ -124,7 +128,7 @@ variant_flags() {
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
     *) echo "variant $1; expected sync, reload, async, pause, sync_ipc, async_ipc, async_opm, async_trunc," \
          "async_safe, eager, compiled, packed, compiled_packed, nockpt, compiled_packed_nockpt," \
-         "async_compiled_packed, async_safe_pause, async_safe_nockpt, async_safe_compiled_packed," \
+         "async_compiled_packed, async_safe_pause, async_safe_nockpt, async_guard, async_safe_compiled_packed," \
          "top1, g16, nosearch, clip20, warmup10, steps80, repair, close, topp95, pages, pages4 or q15" >&2
        return 2 ;;
   esac

@@ -256,8 +256,8 @@ DRIFT = (("kl", max, "KL to the reference, max"),
 def drift(out: Path) -> str:
     """How far each run's policy went, from its ``log_history.csv``: one Markdown row per run with the worst step of
     each sign of drift in :data:`DRIFT` (value and step) and the mean fraction of rollouts TRL's off-policy mask
-    dropped. A collapse shows as one of them jumping; lock-step runs have "-" in the async columns. "" when no run
-    logged a KL."""
+    dropped, and the steps ``max_behaviour_kl`` skipped. A collapse shows as one of them jumping; lock-step runs
+    have "-" in the async columns. "" when no run logged a KL."""
     lines = []
     for name, rows in _logged_steps(out, "kl"):
         cells = []
@@ -268,10 +268,12 @@ def drift(out: Path) -> str:
             cells.append(f"{value:.3g} (step {step})" if logged else "-")
         masked = [float(row["async/off_policy_masked"]) for row in rows if row.get("async/off_policy_masked")]
         cells.append(f"{statistics.mean(masked):.3f}" if masked else "-")
+        skipped = [row["step"] for row in rows if float(row.get("async/skipped_divergent") or 0)]
+        cells.append(" ".join(skipped) if skipped else "-")
         lines.append(f"| {name} | {len(rows)} | " + " | ".join(cells) + " |")
     if not lines:
         return ""
-    headers = [header for _, _, header in DRIFT] + ["off-policy masked, mean"]
+    headers = [header for _, _, header in DRIFT] + ["off-policy masked, mean", "steps skipped (max_behaviour_kl)"]
     return "\n".join([f"| run | steps | {' | '.join(headers)} |", "| --- " * (len(headers) + 2) + "|", *lines])
 
 

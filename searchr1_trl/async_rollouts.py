@@ -45,6 +45,15 @@ Off by default (``async_rollouts``). What this module decides:
   same behaviour log-probs, and ``sequence_truncate`` clips where ``sequence_mask`` zeroes. TRL's defaults stand (no
   mask, ``sequence_mask``); both are candidates against the drift measured on GPUs (docs/results/README.md), not yet
   measured there.
+- **A bound on how far the policy moved** (``max_behaviour_kl``, off by default): a step whose rollouts' mean gap
+  ``log pi_behaviour - log pi_current`` exceeds it in size (the policy moved far, either way) keeps its weights: the
+  optimizer step is skipped (:class:`~searchr1_trl.callbacks.DivergentStepGuard`). The rollouts then in flight were
+  sampled by exactly those weights, so the next step is on-policy, as lock-step's every step is. Why: where a policy
+  tips over its tool-call format in one update, lock-step corrects it at the next step from the tipped policy's own
+  failures; one step stale, that step trains instead on rollouts the tipped weights no longer produce, whose
+  importance weights are ~0 (on an H100, gap 0.245 a token, weights 0.08), and the policy goes on to fail every
+  rollout, where GRPO's advantages are 0 and nothing corrects it (docs/results/README.md, "The update without
+  checkpointing").
 - **Validation stays synchronous**: it waits for the rollouts in flight and launches none.
 - **Resume is exact for the question stream**: questions are drawn ahead (:class:`Lookahead`) but a checkpoint saves
   the stream's state from before the oldest draw no step has trained on, so rollouts in flight at a checkpoint are
@@ -107,7 +116,17 @@ class AsyncRolloutsConfig:
                           "needs generator vllm; it collapsed the one GPU run measured (a warning says so)."},
     )
 
+    max_behaviour_kl: float | None = field(
+        default=None,
+        metadata={"help": "With async_rollouts: skip the optimizer step of a step whose rollouts' behaviour gap "
+                          "(async/behaviour_kl: log pi_behaviour - log pi_current per loss token, over all processes) "
+                          "exceeds this in size, so the next step trains on rollouts of the current weights, as "
+                          "lock-step would; counted as async/skipped_divergent. None: never skip."},
+    )
+
     def __post_init__(self):
+        if self.max_behaviour_kl is not None and not self.max_behaviour_kl > 0:
+            raise ValueError(f"max_behaviour_kl={self.max_behaviour_kl}; expected a gap > 0 in nats a token, or None")
         if self.max_staleness < 1:
             raise ValueError(f"max_staleness={self.max_staleness}; expected >= 1 (0 is lock-step: set "
                              "async_rollouts false)")
@@ -117,7 +136,14 @@ class AsyncRolloutsConfig:
 
 def check_recipe(args, deepspeed: bool) -> None:
     """ValueError for a recipe the asynchronous mode cannot run as the module docstring says."""
-    AsyncRolloutsConfig(args.async_rollouts, args.max_staleness, args.in_flight_rollouts)  # checks the knobs
+    AsyncRolloutsConfig(args.async_rollouts, args.max_staleness, args.in_flight_rollouts,
+                        args.max_behaviour_kl)  # checks the knobs
+    if args.max_behaviour_kl is not None and deepspeed:
+        raise ValueError(f"max_behaviour_kl={args.max_behaviour_kl} under DeepSpeed: its engine steps the optimizer "
+                         "inside the last backward, where a step cannot be skipped from outside; unset it")
+    if args.max_behaviour_kl is not None and not args.vllm_importance_sampling_correction:
+        raise ValueError(f"max_behaviour_kl={args.max_behaviour_kl} with vllm_importance_sampling_correction=False: "
+                         "the behaviour gap it bounds is measured by the correction; turn it on or unset the bound")
     if args.in_flight_rollouts == "pause" and args.generator != "vllm":
         raise ValueError(f"in_flight_rollouts='pause' with generator={args.generator!r}: pausing rollouts for a push "
                          "is vLLM's (/pause on the server); use generator='vllm' or in_flight_rollouts='finish'")

@@ -25,6 +25,9 @@ validation sample, so figures to report come from another one (``report_num_samp
 
 **The non-finite gradient guard** (:class:`NonFiniteGradientGuard`): an optimizer step whose gradients hold a NaN or
 inf is skipped, not written into the weights; :data:`MAX_CONSECUTIVE_NONFINITE_STEPS` in a row stop training.
+
+**The divergent step guard** (:class:`DivergentStepGuard`, asynchronous rollouts with ``max_behaviour_kl``): a step
+whose rollouts the policy has moved too far from is skipped, so the next trains on rollouts of the same weights.
 """
 
 from __future__ import annotations
@@ -162,3 +165,24 @@ class NonFiniteGradientGuard(TrainerCallback):
                        state.global_step + 1)
         optimizer.zero_grad(set_to_none=True)  # an optimizer skips parameters without a gradient
         self.metrics["train/skipped_nonfinite_step"].append(1.0)
+
+
+class DivergentStepGuard(TrainerCallback):
+    """Skips the optimizer step of an asynchronous step whose rollouts the policy has moved too far from
+    (``max_behaviour_kl``; :mod:`searchr1_trl.async_rollouts` says why). The trainer hands it each step's behaviour gap,
+    averaged over processes so every replica skips alike; skipped steps are logged as ``async/skipped_divergent``."""
+
+    def __init__(self, max_gap: float, metrics: dict[str, list[float]]):
+        self.max_gap, self.metrics = max_gap, metrics
+        self.gap: float | None = None  # of the step being trained, until its optimizer step
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        gap, self.gap = self.gap, None
+        skip = gap is not None and abs(gap) > self.max_gap  # moved far either way
+        self.metrics["async/skipped_divergent"].append(float(skip))
+        if skip:
+            logger.warning("optimizer step %d skipped: the policy moved %+.4f nats a token from the weights that "
+                           "sampled its rollouts (max_behaviour_kl %g); the next step trains on rollouts of these "
+                           "weights",
+                           state.global_step + 1, gap, self.max_gap)
+            optimizer.zero_grad(set_to_none=True)  # an optimizer skips parameters without a gradient

@@ -254,6 +254,7 @@ class SearchR1Config(GRPOConfig):
     async_rollouts: bool = knob("async_rollouts", "enabled")
     max_staleness: int = knob("async_rollouts", "max_staleness")
     in_flight_rollouts: str = knob("async_rollouts", "in_flight")
+    max_behaviour_kl: float | None = knob("async_rollouts", "max_behaviour_kl")
 
     # --- generator ---
     generator: str = field(

@@ -20,7 +20,9 @@ What this subclass decides, and nothing more:
 - **Validation** is greedy rollouts over a fixed held-out slice, logged as EM overall and per data source.
 - **Asynchronous rollouts** (``async_rollouts``, off by default; :mod:`searchr1_trl.async_rollouts`): the next
   ``max_staleness`` steps' rollouts generate on the rollout loop, run in a background thread, while the trainer
-  updates; each is tagged with its policy version, bounded in staleness and weighted by ``pi_current / pi_behaviour``.
+  updates; each is tagged with its policy version, bounded in staleness and weighted by ``pi_current / pi_behaviour``;
+  with ``max_behaviour_kl`` a step the policy has moved too far from is skipped
+  (:class:`~searchr1_trl.callbacks.DivergentStepGuard`).
 - **Three throughput levers of the policy update** (:mod:`searchr1_trl.update`, all off by default):
   ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer), ``padding_free`` (rollouts packed without
   padding for the log-prob forward) and ``compile_layers`` (each decoder layer ``torch.compile``-d in place); the
@@ -79,7 +81,7 @@ from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
 from searchr1_trl import async_rollouts, evaluation
-from searchr1_trl.callbacks import CollapseGuard, NonFiniteGradientGuard
+from searchr1_trl.callbacks import CollapseGuard, DivergentStepGuard, NonFiniteGradientGuard
 from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task, part_config
 from searchr1_trl.search_r1.data import QuestionBatches, SearchR1Sample, training_row
@@ -148,8 +150,12 @@ class SearchR1Trainer(GRPOTrainer):
         if isinstance(self.weight_push, ReloadPush):
             warn_stale_tied_head(self.model)
         self.pipeline: async_rollouts.RolloutPipeline | None = None  # made with the dataloader, under async_rollouts
+        self.divergence_guard: DivergentStepGuard | None = None
         if args.async_rollouts:
             async_rollouts.check_recipe(args, self.is_deepspeed_enabled)
+            if args.max_behaviour_kl is not None:
+                self.divergence_guard = DivergentStepGuard(args.max_behaviour_kl, self._metrics["train"])
+                self.add_callback(self.divergence_guard)
             if args.generator == "transformers":
                 self.weight_push = async_rollouts.SnapshotPush(self.accelerator.unwrap_model(self.model))
                 self.engine.generator.model = self.weight_push.model
@@ -211,6 +217,7 @@ class SearchR1Trainer(GRPOTrainer):
             micro_batch, self._weigh = self._weigh, None
             if self._in_loss_weights.fold(micro_batch, result[0].detach(), self.args, self._metrics["train"]):
                 self._in_loss_weights = None
+                self._hand_gap_to_guard()
         return result
 
     def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
@@ -276,7 +283,16 @@ class SearchR1Trainer(GRPOTrainer):
         if proximal is None and self.args.vllm_importance_sampling_correction:
             self._in_loss_weights = async_rollouts.InLossWeights(output["advantages"].size(0))
             return output
-        return async_rollouts.weight_by_behaviour(output, proximal, self.args, self._metrics["train"])
+        output = async_rollouts.weight_by_behaviour(output, proximal, self.args, self._metrics["train"])
+        self._hand_gap_to_guard()
+        return output
+
+    def _hand_gap_to_guard(self) -> None:
+        """The step's behaviour gap, just logged by :func:`~searchr1_trl.async_rollouts.log_staleness`, averaged
+        over processes (every replica must skip alike), to the divergent step guard."""
+        if self.divergence_guard is not None:
+            gap = torch.tensor(self._metrics["train"]["async/behaviour_kl"][-1], device=self.accelerator.device)
+            self.divergence_guard.gap = self.accelerator.reduce(gap, "mean").item()
 
     # ---- rollouts ----------------------------------------------------------------------------------------------
 

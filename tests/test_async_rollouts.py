@@ -20,11 +20,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_trainer import StopAfter, small_config, trainer_with_text_reward
 from test_update import loss_and_grads, rollout_batch, update_config
+from transformers import TrainerCallback
 
 from searchr1_trl.async_rollouts import (
     WEIGHTS,
     Lookahead,
     RolloutPipeline,
+    check_recipe,
     fold_into_advantages,
     importance_weights,
     log_staleness,
@@ -496,3 +498,50 @@ def test_an_async_runs_kl_to_the_reference_is_zero_before_the_first_update_and_g
     # update's at step 2 (a mean over 16 tokens, of either sign: an estimate of the KL, not the KL)
     first, second = (entry["async/behaviour_kl"] for entry in logged)
     assert abs(first) < 1e-4 < abs(second) < 1.0, (first, second)
+
+
+class WeightsAtEachStep(TrainerCallback):
+    """The first parameter tensor after each optimizer step."""
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.steps.append(next(model.parameters()).detach().clone())
+
+
+@pytest.mark.slow  # a short training on CPU: ~20 seconds
+def test_a_step_the_policy_moved_too_far_from_is_skipped_and_the_next_one_is_on_policy(
+        tiny_model_dir, questions_file, tmp_path, caplog):
+    # step 1 trains on rollouts of its own weights (gap ~0), step 2 on rollouts of step 0's weights after step 1's
+    # update moved them (the gap the KL test above sees): over the bound, its update is skipped, so the rollouts
+    # launched during it, of step 1's weights, are on-policy at step 3, which trains
+    args = small_config(tmp_path, questions_file, "http://127.0.0.1:9/retrieve", max_steps=3, generator="transformers",
+                        max_tokens_per_turn=8, max_turns=1, async_rollouts=True, max_staleness=1, learning_rate=1e-3,
+                        max_behaviour_kl=1e-4)
+    weights = WeightsAtEachStep()
+    trainer = trainer_with_text_reward(str(tiny_model_dir), args, callbacks=[weights])
+    with caplog.at_level("WARNING", logger="searchr1_trl.callbacks"):
+        trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "async/staleness" in entry]
+    gaps = [entry["async/behaviour_kl"] for entry in logged]
+    assert [entry["async/staleness"] for entry in logged] == [0, 1, 1]
+    assert abs(gaps[0]) < 1e-4 < abs(gaps[1]), f"step 2's update-sized gap is what the bound must catch: {gaps}"
+    assert [entry["async/skipped_divergent"] for entry in logged] == [0.0, 1.0, 0.0]
+    assert f"optimizer step 2 skipped: the policy moved {gaps[1]:+.4f} nats a token" in caplog.text
+    first, second, third = weights.steps
+    assert torch.equal(first, second) and not torch.equal(second, third)
+    assert abs(gaps[2]) < 1e-4, f"step 3's rollouts were sampled by the weights it trains: {gaps}"
+
+
+def test_a_bound_on_the_gap_is_refused_where_it_cannot_skip_or_measure(tiny_model_dir, questions_file, tmp_path):
+    base = update_config(tmp_path, questions_file, async_rollouts=True, max_behaviour_kl=0.01)
+    check_recipe(base, deepspeed=False)
+    with pytest.raises(ValueError, match=r"max_behaviour_kl=0\.01 under DeepSpeed"):
+        check_recipe(base, deepspeed=True)
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=False"):
+        check_recipe(update_config(tmp_path, questions_file, async_rollouts=True, max_behaviour_kl=0.01,
+                                   vllm_importance_sampling_correction=False), deepspeed=False)
+    with pytest.raises(ValueError, match=r"max_behaviour_kl=0\.0; expected a gap > 0"):
+        SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, async_rollouts=True,
+                                                                       max_behaviour_kl=0.0))

@@ -79,17 +79,17 @@ def test_the_report_gives_each_runs_worst_step_of_drift(tmp_path, capsys):
     finished_run(tmp_path, "older", 0, 100.0, 0.44)  # no log: no row
     # the H100 collapse's shape: the weights fall, then the KL jumps and rollouts stop parsing
     rows = ["step,kl,async/importance_weight_mean,async/behaviour_kl_max,async/negative_zeroed,"
-            "async/off_policy_masked,rollout/status_error_parse,eval_em", "0,,,,,,,0.40",
-            "1,0.0001,0.99,0.001,0.0,0.0,0.0,", "2,0.165,0.61,0.02,0.1,0.25,0.02,", "3,10170,0.054,0.09,0.0,0.5,0.64,",
-            "3,,,,,,,0.0"]
+            "async/off_policy_masked,rollout/status_error_parse,async/skipped_divergent,eval_em", "0,,,,,,,,0.40",
+            "1,0.0001,0.99,0.001,0.0,0.0,0.0,0.0,", "2,0.165,0.61,0.02,0.1,0.25,0.02,1.0,",
+            "3,10170,0.054,0.09,0.0,0.5,0.64,0.0,", "3,,,,,,,,0.0"]
     (tmp_path / "async_s0" / "log_history.csv").write_text("\n".join(rows) + "\n")
     (tmp_path / "sync_s0" / "log_history.csv").write_text(
         "step,kl,rollout/status_error_parse\n1,0.0,0.03\n2,0.05,0.0\n3,0.01,0.01\n")
     report(tmp_path)
     drift = capsys.readouterr().out.split("| run | steps | KL to the reference, max |")[1]
     assert ("| async_s0 | 3 | 1.02e+04 (step 3) | 0.054 (step 3) | 0.09 (step 3) | 0.1 (step 2) | 0.64 (step 3) | "
-            "0.250 |") in drift
-    assert "| sync_s0 | 3 | 0.05 (step 2) | - | - | - | 0.03 (step 1) | - |" in drift
+            "0.250 | 2 |") in drift
+    assert "| sync_s0 | 3 | 0.05 (step 2) | - | - | - | 0.03 (step 1) | - | - |" in drift
     assert "older_s0" not in drift
 
 

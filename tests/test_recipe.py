@@ -155,6 +155,9 @@ def test_every_learning_variant_of_the_gpu_script_is_a_valid_offline_gpu_recipe(
     assert (every.compile_layers, every.padding_free, every.activation_checkpointing) == (True, True, False)
     lean = parsed["async_safe_nockpt"]
     assert (lean.async_rollouts, lean.activation_checkpointing, lean.off_policy_mask_threshold) == (True, False, 0.02)
+    guarded = parsed["async_guard"]
+    assert (guarded.activation_checkpointing, guarded.max_behaviour_kl) == (False, 0.01)
+    assert lean.max_behaviour_kl is None
 
 
 def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):
