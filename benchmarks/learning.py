@@ -226,7 +226,8 @@ def step_split(out: Path) -> str:
     """Where each run's optimizer steps went, from its ``log_history.csv``: one Markdown row per run with the mean
     step, TRL's ``generate_and_score`` (push, rollouts, rewards, old log-probs) and the policy update (the rest of
     TRL's ``step_time``: loss and backward), the update as the median over the first and the second half of the
-    steps apart, so a lever that compiles (``compile_layers``) shows its warm-up and its steady state separately.
+    steps apart, so a lever that compiles (``compile_layers``) shows its warm-up and its steady state separately,
+    and the trainer process's peak GPU memory over the run (``train/peak_memory_gib``; "-" where not logged).
     "" when no run has the file."""
     lines = []
     # runs logged before TRL timed generate_and_score have no split to show
@@ -236,13 +237,15 @@ def step_split(out: Path) -> str:
         update = [t - g for t, g in zip(total, prepare, strict=True)]
         half = len(update) // 2
         first = f"{statistics.median(update[:half]):.2f}" if half else "-"
+        peaks = [float(row["train/peak_memory_gib"]) for row in steps if row.get("train/peak_memory_gib")]
         lines.append(f"| {name} | {len(steps)} | {statistics.mean(total):.2f} | "
                      f"{statistics.mean(prepare):.2f} | {statistics.mean(update):.2f} | {first} | "
-                     f"{statistics.median(update[half:]):.2f} |")
+                     f"{statistics.median(update[half:]):.2f} | " + (f"{max(peaks):.1f} |" if peaks else "- |"))
     if not lines:
         return ""
     return "\n".join(["| run | steps | step s | generate and score s | policy update s | update, median of the "
-                      "first half s | update, median of the second half s |", "| --- " * 7 + "|", *lines])
+                      "first half s | update, median of the second half s | trainer's peak GPU memory GiB |",
+                      "| --- " * 8 + "|", *lines])
 
 
 # The drift table's columns: a logged metric, whether its worst step is its largest or smallest value, its header.

@@ -260,6 +260,11 @@ class SearchR1Trainer(GRPOTrainer):
             if self.pipeline is not None:
                 output = self._weight_stale_rollouts(output)
             self._metrics["train"]["generate_and_score/time_s"].append(time.perf_counter() - start)
+            if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
+                # since the last step's scoring: its update, then this step's rollouts and scoring (the trainer
+                # process only; a vLLM server on the same GPU holds its own)
+                self._metrics["train"]["train/peak_memory_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
+                torch.cuda.reset_peak_memory_stats()
         return output
 
     def _drop_equal_reward_groups(self, output: dict) -> dict:

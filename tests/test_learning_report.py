@@ -47,15 +47,15 @@ def test_the_report_splits_each_runs_steps_and_shows_a_compile_warm_up_apart_fro
     finished_run(tmp_path, "compiled", 0, 100.0, 0.44)
     finished_run(tmp_path, "eager", 0, 100.0, 0.44)
     # TRL logs step_time per optimizer step and evaluations on rows of their own, which the split skips.
-    rows = ["step,step_time,generate_and_score/time_s,eval_em", "0,,,0.40",
-            "1,30.0,4.0,", "2,12.0,4.0,", "3,6.0,4.0,", "4,5.0,4.0,", "4,,,0.45"]
+    rows = ["step,step_time,generate_and_score/time_s,train/peak_memory_gib,eval_em", "0,,,,0.40",
+            "1,30.0,4.0,20.5,", "2,12.0,4.0,31.25,", "3,6.0,4.0,19.0,", "4,5.0,4.0,19.0,", "4,,,,0.45"]
     (tmp_path / "compiled_s0" / "log_history.csv").write_text("\n".join(rows) + "\n")
     finished_run(tmp_path, "older", 0, 100.0, 0.44)  # logged before TRL timed generate_and_score
     (tmp_path / "older_s0" / "log_history.csv").write_text("step,step_time,eval_em\n1,30.0,\n2,12.0,\n")
     report(tmp_path)
     printed = capsys.readouterr().out
     # update = step - generate_and_score: 26, 8, 2, 1; first half's median 17, second half's 1.5
-    assert "| compiled_s0 | 4 | 13.25 | 4.00 | 9.25 | 17.00 | 1.50 |" in printed
+    assert "| compiled_s0 | 4 | 13.25 | 4.00 | 9.25 | 17.00 | 1.50 | 31.2 |" in printed  # the largest step's peak
     split = printed.split("| run | steps |")[1]
     assert "eager_s0 |" not in split and "older_s0 |" not in split  # no log, or no split in it: no row
 
