@@ -23,11 +23,12 @@
 #                                              # and compiled, with and without its activation checkpointing
 #   bash benchmarks/gpu_path.sh zero3_1gpu     # one GPU, ~2 min: Qwen3-1.7B's step through ZeRO-3, one process, MFU
 #   bash benchmarks/gpu_path.sh e2e_alone ["<variants>"]  # one GPU, in series: the recipe's first 30 GRPO steps
-#                                              # alone on the GPU, CUDA graphs on; default sync (lock-step, the IPC
-#                                              # push; ~6 min on an H200 with its warm start), async_safe (the async
-#                                              # mode within 0.02 EM of lock-step on 3 seeds), then reload (lock-step
-#                                              # through tmpfs: issue 23's baseline, 228 s on 2026-12-05), ~18 min;
-#                                              # async_safe_compiled_packed next, beside sync again
+#                                              # alone on the GPU, CUDA graphs on; default async_guard (the async
+#                                              # mode without checkpointing, a step the policy moved far from
+#                                              # skipped; ~6 min on an H100 with its warm start) then sync (lock-step,
+#                                              # the IPC push; ~8 min); `report ... --baseline sync` for the speedup.
+#                                              # reload (lock-step through tmpfs, issue 23's baseline): 287 s on an
+#                                              # H100, 228 s on an H200 (2026-12-05)
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
@@ -237,7 +238,7 @@ case "${1:?step}" in
       "--warm_start_traces 0 --max_steps 12 --eval_steps 12 --save_steps 12 --report_num_samples 0 --eval_num_samples 200" ;;
   e2e_alone)  # issue 23's end to end: the recipe's first 30 GRPO steps (warm start, evaluations every 10 steps
     # included as committed), each mode alone on the GPU with CUDA graphs; the speedups over the first mode
-    in_series e2e_alone "${2:-sync async_safe reload}" "--max_steps 30" ;;
+    in_series e2e_alone "${2:-async_guard sync}" "--max_steps 30" ;;
   rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768;
     # $2: more retrieval server flags, e.g. "--device cpu" (its encoder on the host's cores)
     python3 -m benchmarks.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \
