@@ -43,8 +43,8 @@ Off by default (``async_rollouts``). What this module decides:
   more than the weights that sampled them). TRL's ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence
   masking: a negative-advantage rollout the policy has moved far from leaves the loss) works as TRL has it, from the
   same behaviour log-probs, and ``sequence_truncate`` clips where ``sequence_mask`` zeroes. TRL's defaults stand (no
-  mask, ``sequence_mask``); both are candidates against the drift measured on GPUs (docs/results/README.md), not yet
-  measured there.
+  mask, ``sequence_mask``); the two together (``async_safe`` in benchmarks/gpu_path.sh) kept three seeds on one H200
+  within 0.02 EM of lock-step (docs/results/README.md, "The remedy, three seeds").
 - **A bound on how far the policy moved** (``max_behaviour_kl``, off by default): a step whose rollouts' mean gap
   ``log pi_behaviour - log pi_current`` exceeds it in size (the policy moved far, either way) keeps its weights: the
   optimizer step is skipped (:class:`~searchr1_trl.callbacks.DivergentStepGuard`). The rollouts then in flight were
