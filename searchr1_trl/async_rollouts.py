@@ -47,11 +47,12 @@ Off by default (``async_rollouts``). What this module decides:
   within 0.02 EM of lock-step (docs/results/README.md, "The remedy, three seeds").
 - **A bound on how far the policy moved** (``max_behaviour_kl``, off by default): a step whose rollouts' mean gap
   ``log pi_behaviour - log pi_current`` exceeds it in size (the policy moved far, either way) keeps its weights: the
-  optimizer step is skipped (:class:`~searchr1_trl.callbacks.DivergentStepGuard`). The rollouts then in flight were
-  sampled by exactly those weights, so the next step is on-policy, as lock-step's every step is. Why: where a policy
-  tips over its tool-call format in one update, lock-step corrects it at the next step from the tipped policy's own
-  failures; one step stale, that step trains instead on rollouts the tipped weights no longer produce, whose
-  importance weights are ~0 (on an H100, gap 0.245 a token, weights 0.08), and the policy goes on to fail every
+  optimizer step is skipped (:class:`~searchr1_trl.callbacks.DivergentStepGuard`). With ``max_staleness`` 1 the
+  rollouts then in flight were sampled by exactly those weights, so the next step is on-policy, as lock-step's every
+  step is (with more, after that many skips; a gap over the bound then stops training: the push is broken). Why:
+  where a policy tips over its tool-call format in one update, lock-step corrects it at the next step from the tipped
+  policy's own failures; one step stale, that step trains instead on rollouts the tipped weights no longer produce,
+  whose importance weights are ~0 (on an H100, gap 0.245 a token, weights 0.08), and the policy goes on to fail every
   rollout, where GRPO's advantages are 0 and nothing corrects it (docs/results/README.md, "The update without
   checkpointing").
 - **Validation stays synchronous**: it waits for the rollouts in flight and launches none.

@@ -170,19 +170,29 @@ class NonFiniteGradientGuard(TrainerCallback):
 class DivergentStepGuard(TrainerCallback):
     """Skips the optimizer step of an asynchronous step whose rollouts the policy has moved too far from
     (``max_behaviour_kl``; :mod:`searchr1_trl.async_rollouts` says why). The trainer hands it each step's behaviour gap,
-    averaged over processes so every replica skips alike; skipped steps are logged as ``async/skipped_divergent``."""
+    averaged over processes so every replica skips alike; skipped steps are logged as ``async/skipped_divergent``.
 
-    def __init__(self, max_gap: float, metrics: dict[str, list[float]]):
-        self.max_gap, self.metrics = max_gap, metrics
+    A skip keeps the weights, so after ``max_staleness`` skips in a row every rollout in flight was sampled by the
+    weights it will train: a gap over the bound then is not the policy moving but the generator serving other weights
+    than the trainer's (a broken push), and training stops with an error saying so."""
+
+    def __init__(self, max_gap: float, max_staleness: int, metrics: dict[str, list[float]]):
+        self.max_gap, self.max_staleness, self.metrics = max_gap, max_staleness, metrics
         self.gap: float | None = None  # of the step being trained, until its optimizer step
+        self.consecutive = 0
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         gap, self.gap = self.gap, None
         skip = gap is not None and abs(gap) > self.max_gap  # moved far either way
+        self.consecutive = self.consecutive + 1 if skip else 0
+        if self.consecutive > self.max_staleness:
+            raise RuntimeError(
+                f"step {state.global_step + 1}: the policy is {gap:+.4f} nats a token from the weights that sampled "
+                f"its rollouts although the last {self.max_staleness} step(s) were skipped, so those were these very "
+                f"weights: the generator does not serve the trainer's weights; check the weight push (weight_sync)")
         self.metrics["async/skipped_divergent"].append(float(skip))
         if skip:
             logger.warning("optimizer step %d skipped: the policy moved %+.4f nats a token from the weights that "
                            "sampled its rollouts (max_behaviour_kl %g); the next step trains on rollouts of these "
-                           "weights",
-                           state.global_step + 1, gap, self.max_gap)
+                           "weights", state.global_step + 1, gap, self.max_gap)
             optimizer.zero_grad(set_to_none=True)  # an optimizer skips parameters without a gradient

@@ -154,7 +154,8 @@ class SearchR1Trainer(GRPOTrainer):
         if args.async_rollouts:
             async_rollouts.check_recipe(args, self.is_deepspeed_enabled)
             if args.max_behaviour_kl is not None:
-                self.divergence_guard = DivergentStepGuard(args.max_behaviour_kl, self._metrics["train"])
+                self.divergence_guard = DivergentStepGuard(args.max_behaviour_kl, args.max_staleness,
+                                                           self._metrics["train"])
                 self.add_callback(self.divergence_guard)
             if args.generator == "transformers":
                 self.weight_push = async_rollouts.SnapshotPush(self.accelerator.unwrap_model(self.model))

@@ -32,6 +32,7 @@ from searchr1_trl.async_rollouts import (
     log_staleness,
     weight_by_behaviour,
 )
+from searchr1_trl.callbacks import DivergentStepGuard
 from searchr1_trl.recipe import build_task
 from searchr1_trl.trainer import STREAM_STATE_FILE, SearchR1Trainer
 from searchr1_trl.update import loss_mask
@@ -545,3 +546,31 @@ def test_a_bound_on_the_gap_is_refused_where_it_cannot_skip_or_measure(tiny_mode
     with pytest.raises(ValueError, match=r"max_behaviour_kl=0\.0; expected a gap > 0"):
         SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, async_rollouts=True,
                                                                        max_behaviour_kl=0.0))
+
+
+def test_a_gap_that_outlasts_the_skips_stops_training_as_a_broken_push():
+    # after max_staleness skips in a row every rollout in flight was sampled by the weights it trains: a gap over the
+    # bound then means the generator serves other weights than the trainer's
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+
+    def step(guard, global_step, gap):
+        model(torch.ones(1, 2)).sum().backward()
+        guard.gap = gap
+        guard.on_pre_optimizer_step(None, SimpleNamespace(global_step=global_step), None, model=model,
+                                    optimizer=optimizer)
+
+    metrics = defaultdict(list)
+    guard = DivergentStepGuard(0.01, max_staleness=2, metrics=metrics)
+    for global_step, gap in enumerate([0.5, -0.3]):
+        step(guard, global_step, gap)
+        assert all(p.grad is None for p in model.parameters())  # skipped: nothing for the optimizer to apply
+    with pytest.raises(RuntimeError, match=r"step 3: .*the last 2 step\(s\) were skipped.*does not serve the trainer"):
+        step(guard, 2, 0.02)
+    assert metrics["async/skipped_divergent"] == [1.0, 1.0]
+    metrics = defaultdict(list)
+    guard = DivergentStepGuard(0.01, max_staleness=1, metrics=metrics)
+    for global_step, gap in enumerate([0.5, 0.001, 0.5, None]):  # a step under the bound between two skips
+        step(guard, global_step, gap)
+    assert metrics["async/skipped_divergent"] == [1.0, 0.0, 1.0, 0.0]
+    assert all(p.grad is not None for p in model.parameters())  # the last step, without a gap, trains
