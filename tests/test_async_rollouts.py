@@ -439,27 +439,30 @@ def first_norm_folder(model_dir: str, folder: Path, sign: float) -> Path:
     return folder
 
 
-@pytest.mark.slow  # four greedy completions of up to 48 tokens on the CPU server
+@pytest.mark.slow  # four greedy completions of up to 96 tokens on the CPU server (~10 tokens/s)
 def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vllm_server, offline_assets, tokenizer,
                                                                            tmp_path):
     from accelerate import Accelerator
 
     from searchr1_trl.weight_sync import PausedPush
 
+    # long enough that the pause lands mid-way even when this process reads the stream late (48 tokens were not, once,
+    # with other tests running beside the suite: the server had finished when the pause came)
+    length = 96
     prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the river Thames."}],
                                                add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    old = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
+    old = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=length)
     old.run()  # the old weights' greedy text, start to end
     changed = ReloadFolder(vllm_server.base_url, first_norm_folder(offline_assets.model, tmp_path / "changed", -1.0))
     push = PausedPush(changed, Accelerator(cpu=True), vllm_server.base_url)
-    in_flight = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
+    in_flight = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=length)
     in_flight.start()
     try:
         assert in_flight.started.wait(timeout=300), "the completion never started streaming"
         push.push(None)
         in_flight.join(timeout=600)
-        assert in_flight.finish_reason == "length"  # neither aborted nor cut: all 48 tokens, across the push
-        assert len(in_flight.token_ids) == len(old.token_ids) == 48
+        assert in_flight.finish_reason == "length"  # neither aborted nor cut: all its tokens, across the push
+        assert len(in_flight.token_ids) == len(old.token_ids) == length
         split = next((i for i, (a, b) in enumerate(zip(in_flight.token_ids, old.token_ids, strict=True)) if a != b),
                      None)
         assert split is not None and split >= in_flight.after  # the old weights chose what streamed before the pause
@@ -467,12 +470,12 @@ def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vll
         # dropped the in-flight request's cache at the push, so it recomputed it, and what it then generated is
         # exactly the new weights' greedy continuation of what it had (KV of the old weights would change it).
         resumed = StreamedCompletion(vllm_server.base_url, offline_assets.model,
-                                     prompt_ids + in_flight.token_ids[:split], max_tokens=48 - split)
+                                     prompt_ids + in_flight.token_ids[:split], max_tokens=length - split)
         resumed.run()
         assert resumed.token_ids == in_flight.token_ids[split:]
     finally:  # the server is shared: give it its weights back
         reload_weights(vllm_server.base_url, first_norm_folder(offline_assets.model, tmp_path / "restored", 1.0))
-    restored = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=48)
+    restored = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=length)
     restored.run()
     assert restored.token_ids == old.token_ids  # and the restore gave the server its own weights back
 
