@@ -75,7 +75,7 @@ variant_flags() {
     compiled) echo "--compile_layers true --weight_sync ipc" ;;
     packed) echo "--padding_free true --weight_sync ipc" ;;
     compiled_packed) echo "--compile_layers true --padding_free true --weight_sync ipc" ;;
-    nockpt) echo "--activation_checkpointing false" ;;  # the recipe inherits TRL's checkpointing (on): a second
+    nockpt) echo "--activation_checkpointing false" ;;  # the recipe keeps TRL's checkpointing (on): a second
       # forward per micro-batch, for activations of 4 rows of a 0.5B model. The update alone was 3.1 s a step where
       # benchmarks.policy_update's loop without it takes 1.04 s (docs/results/README.md, "Alone on the GPU")
     compiled_packed_nockpt) echo "$(variant_flags compiled_packed) $(variant_flags nockpt)" ;;  # every update lever
