@@ -295,34 +295,41 @@ class SnapshotPush:
         self.model.load_state_dict(model.state_dict())
 
 
-def weight_by_behaviour(output: dict, proximal: torch.Tensor, args, metrics: dict[str, list[float]] | None) -> dict:
+def weight_by_behaviour(output: dict, proximal: torch.Tensor, args) -> dict:
     """``output`` of ``GRPOTrainer._generate_and_score_completions`` (or one micro-batch of it) with its advantages
     weighted per token by :func:`importance_weights` (TRL's knobs), where TRL has not weighted the loss itself (see the
     module docstring); the weights, TRL's or these, also under :data:`WEIGHTS` for the KL term. ``proximal``: the
-    current weights' log-probs. Logs the weights and the staleness into ``metrics`` (None: not here, see
-    :class:`InLossWeights`)."""
+    current weights' log-probs."""
     if not args.vllm_importance_sampling_correction:
         return output
-    mask = loss_mask(output)
     if "importance_sampling_ratio" in output:  # TRL weights the loss itself; the KL term still needs the weights
         output[WEIGHTS] = output["importance_sampling_ratio"]
     else:
+        mask = loss_mask(output)
         weights = importance_weights(proximal, output["sampling_per_token_logps"], mask,
                                      args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                                      args.vllm_importance_sampling_clip_max)
-        if metrics is not None:
-            per_token = weights.expand_as(mask)[mask.bool()]
-            # a *_mask mode zeroes what the policy now likes far more than the weights that sampled it; a
-            # negative-advantage rollout there is one the update should have pushed down and made likelier instead
-            negative = weights.expand_as(mask)[mask.bool() & (output["advantages"][:, None] < 0)]
-            metrics["async/importance_weight_mean"].append(per_token.mean().item() if per_token.numel() else 1.0)
-            metrics["async/importance_weight_zeroed"].append(_zeroed(per_token))
-            metrics["async/negative_zeroed"].append(_zeroed(negative))
         output["advantages"] = fold_into_advantages(output["advantages"], weights, mask.size(1))
         output[WEIGHTS] = weights
-    if metrics is not None:
-        log_staleness(proximal, output["sampling_per_token_logps"], mask, output["advantages"], args, metrics)
     return output
+
+
+def log_behaviour(weighted: dict, advantages: torch.Tensor, proximal: torch.Tensor, args,
+                  metrics: dict[str, list[float]]) -> float:
+    """A step's metrics, once :func:`weight_by_behaviour` has weighted it (``advantages``: its (B,) advantages from
+    before): the importance weights where they are ours (TRL logs its own) and :func:`log_staleness`. Returns the
+    step's behaviour gap (``async/behaviour_kl``)."""
+    mask = loss_mask(weighted)
+    if "importance_sampling_ratio" not in weighted:
+        weights = weighted[WEIGHTS].expand_as(mask)
+        per_token = weights[mask.bool()]
+        # a *_mask mode zeroes what the policy now likes far more than the weights that sampled it; a
+        # negative-advantage rollout there is one the update should have pushed down and made likelier instead
+        negative = weights[mask.bool() & (advantages[:, None] < 0)]
+        metrics["async/importance_weight_mean"].append(per_token.mean().item() if per_token.numel() else 1.0)
+        metrics["async/importance_weight_zeroed"].append(_zeroed(per_token))
+        metrics["async/negative_zeroed"].append(_zeroed(negative))
+    return log_staleness(proximal, weighted["sampling_per_token_logps"], mask, weighted["advantages"], args, metrics)
 
 
 class InLossWeights:
@@ -331,21 +338,23 @@ class InLossWeights:
     weighted from its training forward's log-probs, detached. Within a step the weights do not change between
     micro-batches, so those are the current weights' log-probs (TRL's own ``old = logp.detach()``), and TRL's loss
     reads the advantages after that forward. The step's metrics are logged once, over all its ``rows`` rollouts, when
-    the last micro-batch is in, as :func:`weight_by_behaviour` logs a whole step."""
+    the last micro-batch is in, as for a whole step (:func:`log_behaviour`)."""
 
     def __init__(self, rows: int):
         self.rows, self.parts = rows, []
 
-    def fold(self, micro_batch: dict, proximal: torch.Tensor, args, metrics: dict[str, list[float]]) -> bool:
-        """Weight ``micro_batch``'s advantages in place; True once the step's last micro-batch is weighted."""
-        keys = ("advantages", "sampling_per_token_logps", "completion_mask", "tool_mask")
-        self.parts.append({"proximal": proximal, **{key: micro_batch[key] for key in keys if key in micro_batch}})
-        weight_by_behaviour(micro_batch, proximal, args, None)
-        if sum(part["advantages"].size(0) for part in self.parts) < self.rows:
-            return False
+    def fold(self, micro_batch: dict, proximal: torch.Tensor, args, metrics: dict[str, list[float]]) -> float | None:
+        """Weight ``micro_batch``'s advantages in place; once the step's last micro-batch is in, log the step and
+        return its behaviour gap (None before)."""
+        advantages = micro_batch["advantages"]
+        weight_by_behaviour(micro_batch, proximal, args)
+        keys = ("advantages", "sampling_per_token_logps", "completion_mask", "tool_mask", WEIGHTS)
+        self.parts.append({"unweighted": advantages, "proximal": proximal,
+                           **{key: micro_batch[key] for key in keys if key in micro_batch}})
+        if sum(part["unweighted"].size(0) for part in self.parts) < self.rows:
+            return None
         step = {key: torch.cat([part[key] for part in self.parts]) for key in self.parts[0]}
-        weight_by_behaviour(step, step.pop("proximal"), args, metrics)
-        return True
+        return log_behaviour(step, step.pop("unweighted"), step.pop("proximal"), args, metrics)
 
 
 def _zeroed(weights: torch.Tensor) -> float:
@@ -354,21 +363,23 @@ def _zeroed(weights: torch.Tensor) -> float:
 
 
 def log_staleness(proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
-                  args, metrics: dict[str, list[float]]) -> None:
+                  args, metrics: dict[str, list[float]]) -> float:
     """How far the last updates moved the policy on the rollouts a step trains on: ``async/behaviour_kl``, the mean
     over loss tokens of ``log pi_behaviour - log pi_current`` (an estimate of KL(behaviour || current)), and
     ``async/behaviour_kl_max``, its largest per-rollout mean, which is what TRL's ``off_policy_mask_threshold``
     (DeepSeek-V3.2's off-policy sequence masking) compares; with that threshold set, ``async/off_policy_masked`` is
     the fraction of rollouts TRL's loss drops (negative advantage, as weighted, and a per-rollout mean above it).
-    ``advantages``: (B,) or (B, T), the same along T."""
+    ``advantages``: (B,) or (B, T), the same along T. Returns the ``async/behaviour_kl`` it logs."""
     gap = torch.nan_to_num(behaviour - proximal, nan=0.0) * mask
     tokens = mask.sum(-1)
     per_rollout = gap.sum(-1) / tokens.clamp(min=1.0)
-    metrics["async/behaviour_kl"].append((gap.sum() / tokens.sum().clamp(min=1.0)).item())
+    mean_gap = (gap.sum() / tokens.sum().clamp(min=1.0)).item()
+    metrics["async/behaviour_kl"].append(mean_gap)
     metrics["async/behaviour_kl_max"].append(per_rollout.max().item() if per_rollout.numel() else 0.0)
     if args.off_policy_mask_threshold is not None:
         dropped = (advantages.reshape(len(per_rollout), -1)[:, 0] < 0) & (per_rollout > args.off_policy_mask_threshold)
         metrics["async/off_policy_masked"].append(dropped.float().mean().item() if dropped.numel() else 0.0)
+    return mean_gap
 
 
 def weighted_kl(logps: torch.Tensor, inputs: dict, mask: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:

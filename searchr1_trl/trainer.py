@@ -216,9 +216,10 @@ class SearchR1Trainer(GRPOTrainer):
             self._loss_logps.append(result[0])
         if self._weigh is not None:  # the loss's forward: TRL reads the micro-batch's advantages after it
             micro_batch, self._weigh = self._weigh, None
-            if self._in_loss_weights.fold(micro_batch, result[0].detach(), self.args, self._metrics["train"]):
+            gap = self._in_loss_weights.fold(micro_batch, result[0].detach(), self.args, self._metrics["train"])
+            if gap is not None:  # the step's last micro-batch
                 self._in_loss_weights = None
-                self._hand_gap_to_guard()
+                self._hand_gap_to_guard(gap)
         return result
 
     def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
@@ -285,19 +286,23 @@ class SearchR1Trainer(GRPOTrainer):
         """With async_rollouts, the advantages weighted by pi_current / pi_behaviour where TRL did not weight the loss
         (:func:`~searchr1_trl.async_rollouts.weight_by_behaviour`): now from TRL's current-weights log-probs, or in
         the loss from its forward's where TRL computed none (:class:`~searchr1_trl.async_rollouts.InLossWeights`)."""
+        if not self.args.vllm_importance_sampling_correction:
+            return output
         proximal = output.get("old_per_token_logps")
-        if proximal is None and self.args.vllm_importance_sampling_correction:
+        if proximal is None:
             self._in_loss_weights = async_rollouts.InLossWeights(output["advantages"].size(0))
             return output
-        output = async_rollouts.weight_by_behaviour(output, proximal, self.args, self._metrics["train"])
-        self._hand_gap_to_guard()
+        advantages = output["advantages"]
+        output = async_rollouts.weight_by_behaviour(output, proximal, self.args)
+        self._hand_gap_to_guard(async_rollouts.log_behaviour(output, advantages, proximal, self.args,
+                                                             self._metrics["train"]))
         return output
 
-    def _hand_gap_to_guard(self) -> None:
-        """The step's behaviour gap, just logged by :func:`~searchr1_trl.async_rollouts.log_staleness`, averaged
-        over processes (every replica must skip alike), to the divergent step guard."""
+    def _hand_gap_to_guard(self, gap: float) -> None:
+        """The step's behaviour gap, averaged over processes (every replica must skip alike), to the divergent step
+        guard."""
         if self.divergence_guard is not None:
-            gap = torch.tensor(self._metrics["train"]["async/behaviour_kl"][-1], device=self.accelerator.device)
+            gap = torch.tensor(gap, device=self.accelerator.device)
             self.divergence_guard.gap = self.accelerator.reduce(gap, "mean").item()
 
     # ---- rollouts ----------------------------------------------------------------------------------------------

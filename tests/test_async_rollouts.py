@@ -29,6 +29,7 @@ from searchr1_trl.async_rollouts import (
     check_recipe,
     fold_into_advantages,
     importance_weights,
+    log_behaviour,
     log_staleness,
     weight_by_behaviour,
 )
@@ -246,15 +247,22 @@ def test_the_mask_modes_count_the_negative_rollouts_they_zero():
     args = SimpleNamespace(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
                            vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=3.0,
                            off_policy_mask_threshold=None)
+    def weighted_and_logged(metrics):
+        batch = output()
+        advantages = batch["advantages"]
+        weighted = weight_by_behaviour(batch, torch.zeros(4, 3), args)
+        log_behaviour(weighted, advantages, torch.zeros(4, 3), args, metrics)
+        return weighted
+
     metrics = defaultdict(list)
-    weighted = weight_by_behaviour(output(), torch.zeros(4, 3), args, metrics)
+    weighted = weighted_and_logged(metrics)
     assert weighted["advantages"][:, 0].tolist() == [0.0, 0.0, -0.5, 0.5]
     assert metrics["async/importance_weight_zeroed"] == [0.5]
     assert metrics["async/negative_zeroed"] == [0.5]  # row 0 of the negative rows 0 and 2
     assert metrics["async/behaviour_kl"] == [pytest.approx(-1.0)]  # rows 0, 1: -2 a token; the current likes them
     args.vllm_importance_sampling_mode = "sequence_truncate"  # clipped to 3 instead: nothing zeroed
     metrics = defaultdict(list)
-    weighted = weight_by_behaviour(output(), torch.zeros(4, 3), args, metrics)
+    weighted = weighted_and_logged(metrics)
     assert weighted["advantages"][:, 0].tolist() == [-3.0, 3.0, -0.5, 0.5]
     assert metrics["async/negative_zeroed"] == [0.0]
 
@@ -276,7 +284,8 @@ def test_a_step_is_weighted_in_its_loss_forward_as_by_a_forward_of_its_own(tiny_
     # rollouts 0 and 1 sampled by weights that liked their tokens less (weights > 1: clipped or zeroed), 2 more
     batch["sampling_per_token_logps"] = current + torch.tensor([[-0.4], [-1.0], [0.2], [0.0]])
     metrics = defaultdict(list)
-    expected = weight_by_behaviour(dict(batch), current, trainer.args, metrics)
+    expected = weight_by_behaviour(dict(batch), current, trainer.args)
+    log_behaviour(expected, batch["advantages"], current, trainer.args, metrics)
     expected_loss, expected_grads = loss_and_grads(trainer, expected)
     trainer._metrics["train"].clear()
     forwards = []
