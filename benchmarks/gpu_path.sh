@@ -28,7 +28,8 @@
 #                                              # skipped; ~6 min on an H100 with its warm start) then sync (lock-step,
 #                                              # the IPC push; ~8 min); `report ... --baseline sync` for the speedup.
 #                                              # reload (lock-step through tmpfs, issue 23's baseline): 287 s on an
-#                                              # H100, 228 s on an H200 (2026-12-05)
+#                                              # H100, 228 s on an H200 (2026-12-05). SEEDS="0 1 2": each
+#                                              # seed in turn, every run still alone
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
 #                                              # two seeds at most side by side (bundle with BUNDLE_SIBLING=1)
@@ -147,12 +148,15 @@ seeded_batch() {
   python3 -m benchmarks.learning run --out "$RUNS/$out" --seeds ${SEEDS:-0 1 2} ${EAGER:+--eager} "${variants[@]}" "$@"
 }
 
-# in_series OUT "NAMES" FLAGS: seed 0 of each named variant alone on the GPU, one after another (side by side each run
-# times the others' share of the GPU), FLAGS to every run, the speedups over the first name.
+# in_series OUT "NAMES" FLAGS: each seed of $SEEDS (default 0) of each named variant alone on the GPU, one after
+# another (side by side each run times the others' share of the GPU), FLAGS to every run, the speedups over the
+# first name.
 in_series() {
-  local out=$1 names=$2 name
+  local out=$1 names=$2 name seed
   for name in $names; do variant_flags "$name" > /dev/null || exit 2; done  # every name checked before any run
-  for name in $names; do SEEDS=0 BATCH_FLAGS=$3 seeded_batch "$out" "$name" --baseline "${names%% *}"; done
+  for seed in ${SEEDS:-0}; do
+    for name in $names; do SEEDS=$seed BATCH_FLAGS=$3 seeded_batch "$out" "$name" --baseline "${names%% *}"; done
+  done
 }
 
 # The qwen3_1_7b recipe's own update (packed ragged rollouts, one GPU without DeepSpeed), eager and compiled (1.42x
