@@ -50,8 +50,10 @@
 #                                              # of sync, async, async pausing in-flight rollouts for a push (pause),
 #                                              # sync_ipc, async_ipc (the push through CUDA IPC), async_opm
 #                                              # (async_ipc with TRL's off-policy sequence mask), async_trunc
-#                                              # (weights clipped, not zeroed), async_safe (both): one table in
-#                                              # $RUNS/async_e2e, the speedup over the first mode
+#                                              # (weights clipped, not zeroed), async_safe (both), async_safe_guard
+#                                              # (async_safe, a step the policy moved far from skipped; ~14 min for
+#                                              # three seeds on an H200): one table in $RUNS/async_e2e, the speedup
+#                                              # over the first mode
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source "${SEARCHR1_ENV_FILE:-$HOME/searchr1_env.sh}"
@@ -104,6 +106,9 @@ variant_flags() {
       # policy moved more than 0.01 nats a token from is skipped, so the next is on-policy. The committed async runs'
       # gaps: medians 0.0003-0.0015; the four that ran to the end peaked at 0.009-0.080; the H100 collapse of
       # async_safe_nockpt read 0.013 at step 7, then 0.245 (docs/results/README.md, "The update without checkpointing")
+    async_safe_guard) echo "$(variant_flags async_safe) --max_behaviour_kl 0.01" ;;  # async_guard with the recipe's
+      # checkpointing: the same loss, for three seeds side by side over the recipe's 50 steps (alone without it a run
+      # peaked at 34 GiB: three beside their servers would not fit an H100)
     async_safe_compiled_packed) echo "$(variant_flags async_safe) --compile_layers true --padding_free true" ;;  # the
       # speed levers over async_safe: alone, async_safe can reach ~1.6x lock-step (the update stays in series);
       # 2x needs the compiled, packed update too
@@ -130,8 +135,9 @@ variant_flags() {
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
     *) echo "variant $1; expected sync, reload, async, pause, sync_ipc, async_ipc, async_opm, async_trunc," \
          "async_safe, eager, compiled, packed, compiled_packed, nockpt, compiled_packed_nockpt," \
-         "async_compiled_packed, async_safe_pause, async_safe_nockpt, async_guard, async_safe_compiled_packed," \
-         "top1, g16, nosearch, clip20, warmup10, steps80, repair, close, topp95, pages, pages4 or q15" >&2
+         "async_compiled_packed, async_safe_pause, async_safe_nockpt, async_guard, async_safe_guard," \
+         "async_safe_compiled_packed, top1, g16, nosearch, clip20, warmup10, steps80, repair, close, topp95, pages," \
+         "pages4 or q15" >&2
        return 2 ;;
   esac
 }

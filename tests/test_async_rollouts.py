@@ -547,6 +547,17 @@ def test_a_step_the_policy_moved_too_far_from_is_skipped_and_the_next_one_is_on_
     assert abs(gaps[2]) < 1e-4, f"step 3's rollouts were sampled by the weights it trains: {gaps}"
 
 
+def test_an_async_recipe_without_the_bound_is_warned_where_the_bound_could_run(questions_file, tmp_path, caplog):
+    unbounded = update_config(tmp_path, questions_file, async_rollouts=True, generator="vllm")
+    with caplog.at_level("WARNING", logger="searchr1_trl.async_rollouts"):
+        check_recipe(update_config(tmp_path, questions_file, async_rollouts=True, max_behaviour_kl=0.01),
+                     deepspeed=False)
+        check_recipe(unbounded, deepspeed=True)  # where it cannot skip a step, there is nothing to advise
+        assert "max_behaviour_kl" not in caplog.text
+        check_recipe(unbounded, deepspeed=False)
+    assert "async_rollouts without max_behaviour_kl" in caplog.text and "0.01 kept three seeds" in caplog.text
+
+
 def test_a_bound_on_the_gap_is_refused_where_it_cannot_skip_or_measure(tiny_model_dir, questions_file, tmp_path):
     base = update_config(tmp_path, questions_file, async_rollouts=True, max_behaviour_kl=0.01)
     check_recipe(base, deepspeed=False)
