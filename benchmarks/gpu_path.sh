@@ -107,8 +107,8 @@ variant_flags() {
       # gaps: medians 0.0003-0.0015; the four that ran to the end peaked at 0.009-0.080; the H100 collapse of
       # async_safe_nockpt read 0.013 at step 7, then 0.245 (docs/results/README.md, "The update without checkpointing")
     async_safe_guard) echo "$(variant_flags async_safe) --max_behaviour_kl 0.01" ;;  # async_guard with the recipe's
-      # checkpointing: the same loss, for three seeds side by side over the recipe's 50 steps (alone without it a run
-      # peaked at 34 GiB: three beside their servers would not fit an H100)
+      # checkpointing: the same loss, for three seeds side by side over the recipe's 50 steps (without it a trainer
+      # peaked at 23.5 GiB a step and 34 GiB in its warm start, one H100 alone: three beside their servers may not fit)
     async_safe_compiled_packed) echo "$(variant_flags async_safe) --compile_layers true --padding_free true" ;;  # the
       # speed levers over async_safe: alone, async_safe can reach ~1.6x lock-step (the update stays in series);
       # 2x needs the compiled, packed update too
