@@ -106,6 +106,10 @@ variant_flags() {
       # policy moved more than 0.01 nats a token from is skipped, so the next is on-policy. The committed async runs'
       # gaps: medians 0.0003-0.0015; the four that ran to the end peaked at 0.009-0.080; the H100 collapse of
       # async_safe_nockpt read 0.013 at step 7, then 0.245 (docs/results/README.md, "The update without checkpointing")
+    async_guard_compiled_packed) echo "$(variant_flags async_guard) --compile_layers true --padding_free true" ;;  # the
+      # update's other levers: async_guard's 30 steps took 160-165 s on an H100, 2x the tmpfs lock-step's 287 s needs
+      # ~144 s, and its update (2.2 s of a 3.5 s step) is what stays in series; compiled and packed its steady state
+      # was 2.7x eager's (with checkpointing), the compiles 12-32 s over the first steps (docs/results/README.md)
     async_safe_guard) echo "$(variant_flags async_safe) --max_behaviour_kl 0.01" ;;  # async_guard with the recipe's
       # checkpointing: the same loss, for three seeds side by side over the recipe's 50 steps (without it a trainer
       # peaked at 23.5 GiB a step and 34 GiB in its warm start, one H100 alone: three beside their servers may not fit)
@@ -135,9 +139,9 @@ variant_flags() {
       "--gradient_accumulation_steps 32 --weight_sync ipc" ;;  # the 1.5B sibling (learning_sibling says why)
     *) echo "variant $1; expected sync, reload, async, pause, sync_ipc, async_ipc, async_opm, async_trunc," \
          "async_safe, eager, compiled, packed, compiled_packed, nockpt, compiled_packed_nockpt," \
-         "async_compiled_packed, async_safe_pause, async_safe_nockpt, async_guard, async_safe_guard," \
-         "async_safe_compiled_packed, top1, g16, nosearch, clip20, warmup10, steps80, repair, close, topp95, pages," \
-         "pages4 or q15" >&2
+         "async_compiled_packed, async_safe_pause, async_safe_nockpt, async_guard, async_guard_compiled_packed," \
+         "async_safe_guard, async_safe_compiled_packed, top1, g16, nosearch, clip20, warmup10, steps80, repair," \
+         "close, topp95, pages, pages4 or q15" >&2
        return 2 ;;
   esac
 }
