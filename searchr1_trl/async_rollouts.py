@@ -55,9 +55,9 @@ Off by default (``async_rollouts``). What this module decides:
   whose importance weights are ~0 (on an H100, gap 0.245 a token, weights 0.08), and the policy goes on to fail every
   rollout, where GRPO's advantages are 0 and nothing corrects it (docs/results/README.md, "The update without
   checkpointing"). At 0.01, with ``async_safe``'s two knobs, three seeds alone on an H100 ran 30 steps 1.74-1.79x
-  faster than lock-step through tmpfs, none collapsing, EM level with lock-step's (the seed that tipped was skipped
-  twice and recovered as lock-step does; docs/results/README.md, "The bound on the GPU"). Without DeepSpeed an
-  asynchronous recipe that leaves it unset is warned.
+  faster than lock-step through tmpfs (one run on another H100), none collapsing, EM level with lock-step's (the seed
+  that tipped was skipped twice and recovered as lock-step does; docs/results/README.md, "The bound on the GPU").
+  Without DeepSpeed an asynchronous recipe that leaves it unset is warned.
 - **Validation stays synchronous**: it waits for the rollouts in flight and launches none.
 - **Resume is exact for the question stream**: questions are drawn ahead (:class:`Lookahead`) but a checkpoint saves
   the stream's state from before the oldest draw no step has trained on, so rollouts in flight at a checkpoint are
