@@ -57,7 +57,7 @@ Off by default (``async_rollouts``). What this module decides:
   checkpointing"). At 0.01, with ``async_safe``'s two knobs, three seeds alone on an H100 ran 30 steps 1.74-1.79x
   faster than lock-step through tmpfs (one run on another H100), none collapsing, EM level with lock-step's (the seed
   that tipped was skipped twice and recovered as lock-step does; docs/results/README.md, "The bound on the GPU").
-  Without DeepSpeed an asynchronous recipe that leaves it unset is warned.
+  Where the bound can run (no DeepSpeed, the correction on) a recipe that leaves it unset is warned.
 - **Validation stays synchronous**: it waits for the rollouts in flight and launches none.
 - **Resume is exact for the question stream**: questions are drawn ahead (:class:`Lookahead`) but a checkpoint saves
   the stream's state from before the oldest draw no step has trained on, so rollouts in flight at a checkpoint are
@@ -151,7 +151,7 @@ def check_recipe(args, deepspeed: bool) -> None:
     if args.in_flight_rollouts == "pause" and args.generator != "vllm":
         raise ValueError(f"in_flight_rollouts='pause' with generator={args.generator!r}: pausing rollouts for a push "
                          "is vLLM's (/pause on the server); use generator='vllm' or in_flight_rollouts='finish'")
-    if args.max_behaviour_kl is None and not deepspeed:
+    if args.max_behaviour_kl is None and not deepspeed and args.vllm_importance_sampling_correction:
         logger.warning("async_rollouts without max_behaviour_kl: two one-GPU asynchronous runs collapsed where their "
                        "policy tipped (docs/results/README.md, 'The update without checkpointing'); 0.01 kept three "
                        "seeds on an H100 level with lock-step ('The bound on the GPU'). Set it unless you are "

@@ -553,6 +553,8 @@ def test_an_async_recipe_without_the_bound_is_warned_where_the_bound_could_run(q
         check_recipe(update_config(tmp_path, questions_file, async_rollouts=True, max_behaviour_kl=0.01),
                      deepspeed=False)
         check_recipe(unbounded, deepspeed=True)  # where it cannot skip a step, there is nothing to advise
+        check_recipe(update_config(tmp_path, questions_file, async_rollouts=True, generator="vllm",
+                                   vllm_importance_sampling_correction=False), deepspeed=False)  # nor measure the gap
         assert "max_behaviour_kl" not in caplog.text
         check_recipe(unbounded, deepspeed=False)
     assert "async_rollouts without max_behaviour_kl" in caplog.text and "0.01 kept three seeds" in caplog.text
