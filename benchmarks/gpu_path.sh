@@ -102,17 +102,17 @@ variant_flags() {
       # on an H200 it collapsed at step 13 (2026-12-05, docs/results/README.md)
     async_safe_nockpt) echo "$(variant_flags async_safe) $(variant_flags nockpt)" ;;  # the async mode with the
       # update's cheapest lever: nothing to compile, the same loss; alone on one GPU only the update stays in series
-    async_guard) echo "$(variant_flags async_safe_nockpt) --max_behaviour_kl 0.01" ;;  # a step whose rollouts the
+    async_safe_guard) echo "$(variant_flags async_safe) --max_behaviour_kl 0.01" ;;  # a step whose rollouts the
       # policy moved more than 0.01 nats a token from is skipped, so the next is on-policy. The committed async runs'
       # gaps: medians 0.0003-0.0015; the four that ran to the end peaked at 0.009-0.080; the H100 collapse of
-      # async_safe_nockpt read 0.013 at step 7, then 0.245 (docs/results/README.md, "The update without checkpointing")
+      # async_safe_nockpt read 0.013 at step 7, then 0.245 (docs/results/README.md, "The update without checkpointing").
+      # With the recipe's checkpointing: three seeds fit side by side over its 50 steps
+    async_guard) echo "$(variant_flags async_safe_guard) $(variant_flags nockpt)" ;;  # the same loss without
+      # checkpointing, for each run alone (a trainer peaked at 23.5 GiB a step, 34 GiB in its warm start, one H100)
     async_guard_compiled_packed) echo "$(variant_flags async_guard) --compile_layers true --padding_free true" ;;  # the
       # update's other levers: async_guard's 30 steps took 160-165 s on an H100, 2x the tmpfs lock-step's 287 s needs
       # ~144 s, and its update (2.2 s of a 3.5 s step) is what stays in series; compiled and packed its steady state
       # was 2.7x eager's (with checkpointing), the compiles 12-32 s over the first steps (docs/results/README.md)
-    async_safe_guard) echo "$(variant_flags async_safe) --max_behaviour_kl 0.01" ;;  # async_guard with the recipe's
-      # checkpointing: the same loss, for three seeds side by side over the recipe's 50 steps (without it a trainer
-      # peaked at 23.5 GiB a step and 34 GiB in its warm start, one H100 alone: three beside their servers may not fit)
     async_safe_compiled_packed) echo "$(variant_flags async_safe) --compile_layers true --padding_free true" ;;  # the
       # speed levers over async_safe: alone, async_safe can reach ~1.6x lock-step (the update stays in series);
       # 2x needs the compiled, packed update too
