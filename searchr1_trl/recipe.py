@@ -145,8 +145,9 @@ class SearchR1Config(GRPOConfig):
     )
     compile_layers: bool = field(
         default=False,
-        metadata={"help": "torch.compile each decoder layer in place, for any rollout length (searchr1_trl/update.py): "
-                          "same loss, the first step compiles. H200, seq 2048: update MFU 0.38 -> 0.58 (Qwen3-1.7B), "
+        metadata={"help": "torch.compile each decoder layer (the policy's and the reference's) in place, for any "
+                          "rollout length (searchr1_trl/update.py): same loss, the first step compiles. H200, seq "
+                          "2048: update MFU 0.38 -> 0.58 (Qwen3-1.7B), "
                           "0.55 -> 0.69 (8B), one GPU without DeepSpeed. Refused under ZeRO-3, whose parameter hooks "
                           "it would recompile around until it falls back to eager."},
     )

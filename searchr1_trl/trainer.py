@@ -131,6 +131,8 @@ class SearchR1Trainer(GRPOTrainer):
                                  "parameter-gathering hooks and recompiles until its limit, then runs the layers "
                                  "eager; drop compile_layers, or train without ZeRO-3 (ZeRO-1/2 compile as one GPU)")
             compile_decoder_layers(self.model)
+            if self.ref_model is not None:  # its forward (beta > 0) is a third of the update's work, in series
+                compile_decoder_layers(self.ref_model)
         self.collapse_guard = None
         if args.collapse_guard and args.eval_strategy != "no":
             self.collapse_guard = CollapseGuard(part_config(args, "collapse_guard"))

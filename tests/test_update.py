@@ -170,16 +170,22 @@ def test_fp32_master_weights_compute_the_fp32_loss_up_to_bf16_rounding(tiny_mode
 @pytest.mark.parametrize("padding_free", [False, True])  # the two levers together are a recipe setting too
 def test_compile_layers_compiles_each_decoder_layer_in_place_and_gives_the_eager_loss_and_gradients(
         tiny_model_dir, questions_file, tmp_path, padding_free):
-    eager = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file,
+    eager = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, beta=0.04,
                                                                            padding_free=padding_free))
-    compiled = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file,
+    compiled = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, beta=0.04,
                                                                               compile_layers=True,
                                                                               padding_free=padding_free))
-    layers = compiled.model.model.layers
-    assert all(layer._compiled_call_impl is not None for layer in layers)
-    assert all(layer._compiled_call_impl is None for layer in eager.model.model.layers)
+    for model in (compiled.model, compiled.ref_model):  # the reference's forward is in each step's series too
+        assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    assert all(layer._compiled_call_impl is None for layer in eager.model.model.layers + eager.ref_model.model.layers)
     assert compiled.model.state_dict().keys() == eager.model.state_dict().keys()  # what checkpoints and pushes see
     batch = rollout_batch(eager.model.config.vocab_size)
+    ids, mask = (torch.cat([batch[f"prompt_{key}"], batch[f"completion_{key}"]], 1) for key in ("ids", "mask"))
+    with torch.no_grad():
+        eager_ref, compiled_ref = (trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, 12)[0]
+                                   for trainer in (eager, compiled))
+    torch.testing.assert_close(compiled_ref, eager_ref, rtol=1e-4, atol=1e-5)
+    batch["ref_per_token_logps"] = eager_ref
     for trainer in (eager, compiled):
         trainer.current_gradient_accumulation_steps = 1
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = (loss_and_grads(eager, batch),
