@@ -448,7 +448,7 @@ def first_norm_folder(model_dir: str, folder: Path, sign: float) -> Path:
     return folder
 
 
-@pytest.mark.slow  # four greedy completions of up to 96 tokens on the CPU server (~10 tokens/s)
+@pytest.mark.slow  # three greedy completions of up to 96 tokens on the CPU server (~10 tokens/s)
 def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vllm_server, offline_assets, tokenizer,
                                                                            tmp_path):
     from accelerate import Accelerator
@@ -484,9 +484,11 @@ def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vll
         assert resumed.token_ids == in_flight.token_ids[split:]
     finally:  # the server is shared: give it its weights back
         reload_weights(vllm_server.base_url, first_norm_folder(offline_assets.model, tmp_path / "restored", 1.0))
-    restored = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids, max_tokens=length)
+    # and the restore gave the server its own weights back: where the changed weights chose another token, the old one
+    restored = StreamedCompletion(vllm_server.base_url, offline_assets.model, prompt_ids + old.token_ids[:split],
+                                  max_tokens=1, after=1)
     restored.run()
-    assert restored.token_ids == old.token_ids  # and the restore gave the server its own weights back
+    assert restored.token_ids == [old.token_ids[split]] != [in_flight.token_ids[split]]
 
 
 @pytest.mark.slow  # a short training on CPU: 12-35 seconds each
