@@ -239,7 +239,7 @@ class SearchR1Trainer(GRPOTrainer):
             rows = slice(start, start + batch_size)
             outputs = packed_forward(
                 model, input_ids[rows], attention_mask[rows], logits_to_keep, self.accelerator.autocast,
-                scored_columns=None if scored is None else scored[rows],
+                scored_columns=None if scored is None else scored[rows], one_graph=self.args.compile_layers,
                 **({"output_router_logits": True} if compute_aux_loss else {}))
             if scored is not None and old is not None:
                 outputs.log_probs = torch.where(scored[rows], outputs.log_probs, old[rows].to(outputs.log_probs))

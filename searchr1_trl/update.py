@@ -18,7 +18,8 @@ on.
   (``nn.Module.compile``: parameter names, state dicts, hooks and the weight pushes unchanged), not of the whole model,
   so a graph is one layer's and the fused LM head and the loss stay TRL's. On an H200
   (``benchmarks/policy_update.py --compile_layers``, seq 2048, bf16) it raised the update's MFU from 0.383 to 0.577
-  (Qwen3-1.7B) and 0.554 to 0.694 (Qwen3-8B). The first step compiles, for any sequence length;
+  (Qwen3-1.7B) and 0.554 to 0.694 (Qwen3-8B). The first step compiles, for any sequence length and (packed: see
+  :func:`pack_rows`' ``one_graph``) any packing;
   in-process generation runs through the same compiled layers. Not under DeepSpeed ZeRO-3 (the trainer refuses it):
   dynamo traces into ZeRO-3's parameter-gathering hooks and recompiles until its limit, then runs eager.
 """
@@ -88,13 +89,20 @@ def loss_mask(batch: dict) -> torch.Tensor:
     return batch["completion_mask"] * batch.get("tool_mask", 1)
 
 
-def pack_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def pack_rows(attention_mask: torch.Tensor, one_graph: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Where each real token of a padded batch goes in a packed one of the same row length.
 
     Returns ``(source, target, position_ids, rows)``: flat indices of the real tokens in the padded ``(B, L)`` batch
     and in the packed ``(rows, L)`` one, the packed batch's position ids (restarting at 0 per sequence; a row's padded
     tail continues its last sequence, which it follows, so no real token attends to it) and the row count. Built on
     the host from one copy of the mask, then moved to its device: one synchronisation per micro-batch.
+
+    ``one_graph`` (for compiled layers): each batch reaches the layers in the form of the others, or they compile
+    again (7-10 s each on an H200, three times in 30 steps). A single row would be a graph of its own (dynamo
+    specialises sizes of 1), so there are at least two; and every batch has a sequence boundary, without which
+    transformers passes no attention mask (another graph): a padded tail is a sequence of its own, and a batch of
+    rows each exactly one rollout gets an empty row too (each position its own sequence).
 
     >>> pack_rows(torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 1]]))[2]
     tensor([[0, 1, 2, 0],
@@ -113,6 +121,8 @@ def pack_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
             row = len(bins) - 1
         bins[row].append(i)
         fill[row] += lengths[i]
+    if one_graph and (len(bins) < 2 or (all(len(members) == 1 for members in bins) and min(fill) == length)):
+        bins.append([])
     sources, targets = [], []
     position_ids = torch.zeros(len(bins), length, dtype=torch.long)
     for row, members in enumerate(bins):
@@ -122,19 +132,22 @@ def pack_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
             targets.append(torch.arange(offset, offset + lengths[i]) + row * length)
             position_ids[row, offset:offset + lengths[i]] = torch.arange(lengths[i])
             offset += lengths[i]
+        if not members and one_graph:
+            continue  # all zeros: every position a sequence of its own
         if offset and offset < length:
-            last = position_ids[row, offset - 1]
-            position_ids[row, offset:] = torch.arange(last + 1, last + 1 + length - offset)
+            first = 0 if one_graph else position_ids[row, offset - 1] + 1
+            position_ids[row, offset:] = torch.arange(first, first + length - offset)
     device = attention_mask.device
     return torch.cat(sources).to(device), torch.cat(targets).to(device), position_ids.to(device), len(bins)
 
 
 def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                   autocast, scored_columns: torch.Tensor | None = None, **model_kwargs):
+                   autocast, scored_columns: torch.Tensor | None = None, one_graph: bool = False, **model_kwargs):
     """TRL's fused-LM-head forward (log-probs and entropies of the last ``logits_to_keep`` columns) run on the packed
     rows of ``input_ids``; returns the model's output with ``log_probs``/``entropy`` laid out as the padded batch's.
-    ``scored_columns`` (B, logits_to_keep), where given, narrows the LM head to those positions (0 elsewhere)."""
-    source, target, position_ids, rows = pack_rows(attention_mask)
+    ``scored_columns`` (B, logits_to_keep), where given, narrows the LM head to those positions (0 elsewhere);
+    ``one_graph``: as :func:`pack_rows`."""
+    source, target, position_ids, rows = pack_rows(attention_mask, one_graph)
     batch, length = input_ids.shape
     scored = torch.zeros_like(attention_mask, dtype=torch.bool)
     scored[:, -logits_to_keep:] = True if scored_columns is None else scored_columns.bool()

@@ -23,12 +23,11 @@ def update_config(tmp_path, questions_file, **overrides) -> SearchR1Config:
     return SearchR1Config(**values)
 
 
-def rollout_batch(vocab: int, seed: int = 0) -> dict:
+def rollout_batch(vocab: int, seed: int = 0, prompt_lengths=(5, 8, 3, 8), completion_lengths=(12, 3, 2, 7)) -> dict:
     """Four rollouts as GRPOTrainer hands them to compute_loss: prompts padded on the left, completions on the right,
-    each completion with a block of tool-response tokens (tool_mask 0). Of 17, 11, 5 and 15 tokens in rows of 20, so
-    packing puts the third after the fourth."""
+    each completion with a block of tool-response tokens (tool_mask 0). By default of 17, 11, 5 and 15 tokens in rows
+    of 20, so packing puts the third after the fourth."""
     generator = torch.Generator().manual_seed(seed)
-    prompt_lengths, completion_lengths = [5, 8, 3, 8], [12, 3, 2, 7]
     prompt_mask = torch.tensor([[0] * (8 - n) + [1] * n for n in prompt_lengths])
     completion_mask = torch.tensor([[1] * n + [0] * (12 - n) for n in completion_lengths])
     tool_mask = torch.ones(4, 12, dtype=torch.long)
@@ -60,6 +59,46 @@ def test_pack_rows_packs_longest_first_into_rows_of_the_padded_length():
     assert position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
     assert source.tolist() == [12, 13, 14, 15, 1, 2, 3, 11, 4, 5]
     assert target.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_pack_rows_for_compiled_layers_gives_every_batch_two_rows_and_a_sequence_boundary():
+    # the tails restart: row 2 holds 2 tokens and a tail of 2, a sequence of its own
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 1], [1, 1, 1, 1]])
+    assert pack_rows(mask, one_graph=True)[2].tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 0, 1]]
+    # what fits one row gets an empty second one, each of its positions a sequence
+    _, target, position_ids, rows = pack_rows(torch.tensor([[0, 1, 1, 0], [1, 0, 0, 0]]), one_graph=True)
+    assert rows == 2 and position_ids.tolist() == [[0, 1, 0, 0], [0, 0, 0, 0]]
+    assert target.tolist() == [0, 1, 2]
+    # rows each exactly one rollout have no boundary: an empty row gives them one
+    full = torch.ones(2, 3, dtype=torch.long)
+    assert pack_rows(full, one_graph=True)[2].tolist() == [[0, 1, 2], [0, 1, 2], [0, 0, 0]]
+    assert pack_rows(full)[3] == 2  # without compiled layers: as they are
+
+
+def test_compiled_packed_layers_compile_once_per_grad_mode_whatever_the_batch_packs_to(tiny_model_dir, questions_file,
+                                                                                         tmp_path):
+    """On an H200 each further graph cost 7-10 s, three times in 30 steps: batches packing to one row, and batches
+    without a sequence boundary (transformers then passes no attention mask), each compiled again."""
+    from torch._dynamo.utils import counters
+
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=update_config(
+        tmp_path, questions_file, beta=0.04, compile_layers=True, padding_free=True))
+    trainer.current_gradient_accumulation_steps = 1
+
+    def step(prompt_lengths, completion_lengths):  # the reference's forward (no grad) and the loss's, as in a step
+        batch = rollout_batch(trainer.model.config.vocab_size, 0, prompt_lengths, completion_lengths)
+        ids, mask = (torch.cat([batch[f"prompt_{key}"], batch[f"completion_{key}"]], 1) for key in ("ids", "mask"))
+        with torch.no_grad():
+            batch["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask,
+                                                                                      12)[0]
+        trainer.compute_loss(trainer.model, batch).backward()
+
+    step((5, 8, 3, 8), (12, 3, 2, 7))
+    graphs = counters["stats"]["unique_graphs"]
+    step((2, 2, 2, 2), (2, 2, 2, 2))  # one row
+    step((8, 8, 8, 8), (12, 12, 12, 12))  # four full rows, no padding
+    step((8, 8, 8, 8), (11, 11, 11, 11))  # four rows, one rollout each, with tails
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
