@@ -111,8 +111,8 @@ variant_flags() {
       # checkpointing, for each run alone (a trainer peaked at 23.5 GiB a step, 34 GiB in its warm start, one H100)
     async_guard_compiled_packed) echo "$(variant_flags async_guard) --compile_layers true --padding_free true" ;;  # the
       # update's other levers: async_guard's 30 steps took 160-165 s on an H100, 2x the tmpfs lock-step's 287 s needs
-      # ~144 s, and its update (2.2 s of a 3.5 s step) is what stays in series; compiled and packed its steady state
-      # was 2.7x eager's (with checkpointing), the compiles 12-32 s over the first steps (docs/results/README.md)
+      # ~144 s, and its update (2.2 s of a 3.5 s step) is what stays in series. On an H200 (2142228): median step 2.19
+      # s, 2.73x the tmpfs lock-step's, 159.9 s end to end (1.43x), ~50 s of it compiling (docs/results/README.md)
     async_safe_compiled_packed) echo "$(variant_flags async_safe) --compile_layers true --padding_free true" ;;  # the
       # speed levers over async_safe: alone, async_safe can reach ~1.6x lock-step (the update stays in series);
       # 2x needs the compiled, packed update too
