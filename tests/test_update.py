@@ -101,6 +101,29 @@ def test_compiled_packed_layers_compile_once_per_grad_mode_whatever_the_batch_pa
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_in_process_generation_runs_compiled_layers_eager_and_leaves_them_compiled(tiny_model_dir):
+    """Through the compiled layers generate compiled a graph for each layer's KV cache and decode shape (6 here, 8 in
+    a short async run: dynamo's recompile limit, whose entries the training forward shares)."""
+    import asyncio
+
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eager, compiled = (AutoModelForCausalLM.from_pretrained(tiny_model_dir) for _ in range(2))
+    compile_decoder_layers(compiled)
+    prompt = tokenizer("The river Thames flows through")["input_ids"]
+    graphs = counters["stats"]["unique_graphs"]
+    eager_tokens, compiled_tokens = (
+        asyncio.run(TransformersGenerator(model, tokenizer).generate(prompt, SamplingParams.greedy(8))).token_ids
+        for model in (eager, compiled))
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert compiled_tokens == eager_tokens
+    assert all(layer._compiled_call_impl is not None for layer in compiled.model.layers)  # training still compiled
+
+
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_padding_free_gives_the_padded_loss_and_gradients_and_keeps_tool_tokens_out(
         tiny_model_dir, questions_file, tmp_path, attn_implementation):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import importlib.util
 import json
 from dataclasses import dataclass, field, replace
@@ -250,6 +251,23 @@ class _Request:
     future: asyncio.Future
 
 
+@contextlib.contextmanager
+def eager_layers(model):
+    """``model``'s ``torch.compile``-d submodules (``compile_layers``) run eager inside: ``generate`` would compile
+    them again for each layer's KV cache (a guard on that layer's cache entry) and every decode shape, up to dynamo's
+    recompile limit, whose entries the training forward shares. Not for a model another thread is running: in-process
+    generation reads the policy only while the trainer waits (lock-step), else a copy of its own (async)."""
+    compiled = [(module, module._compiled_call_impl) for module in model.modules()
+                if getattr(module, "_compiled_call_impl", None) is not None]
+    for module, _ in compiled:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, impl in compiled:
+            module._compiled_call_impl = impl
+
+
 @dataclass
 class TransformersGeneratorConfig:
     """Knobs of :class:`TransformersGenerator`."""
@@ -336,7 +354,7 @@ class TransformersGenerator(Generator):
             output_scores=True,
         )
         device = self.model.device
-        with torch.inference_mode():
+        with torch.inference_mode(), eager_layers(self.model):
             output = self.model.generate(
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
             )
