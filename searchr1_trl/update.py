@@ -122,7 +122,7 @@ def pack_rows(attention_mask: torch.Tensor, one_graph: bool = False
         bins[row].append(i)
         fill[row] += lengths[i]
     if one_graph and (len(bins) < 2 or (all(len(members) == 1 for members in bins) and min(fill) == length)):
-        bins.append([])
+        bins.append([])  # its position ids stay 0: every position a sequence of its own
     sources, targets = [], []
     position_ids = torch.zeros(len(bins), length, dtype=torch.long)
     for row, members in enumerate(bins):
@@ -132,8 +132,6 @@ def pack_rows(attention_mask: torch.Tensor, one_graph: bool = False
             targets.append(torch.arange(offset, offset + lengths[i]) + row * length)
             position_ids[row, offset:offset + lengths[i]] = torch.arange(lengths[i])
             offset += lengths[i]
-        if not members and one_graph:
-            continue  # all zeros: every position a sequence of its own
         if offset and offset < length:
             first = 0 if one_graph else position_ids[row, offset - 1] + 1
             position_ids[row, offset:] = torch.arange(first, first + length - offset)

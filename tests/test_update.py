@@ -44,6 +44,13 @@ def rollout_batch(vocab: int, seed: int = 0, prompt_lengths=(5, 8, 3, 8), comple
     return batch
 
 
+def completion_logps(trainer, model, batch) -> torch.Tensor:
+    """``model``'s log-probs of ``batch``'s completion tokens through the trainer's forward (packed with
+    padding_free)."""
+    ids, mask = (torch.cat([batch[f"prompt_{key}"], batch[f"completion_{key}"]], 1) for key in ("ids", "mask"))
+    return trainer._get_per_token_logps_and_entropies(model, ids, mask, batch["completion_ids"].size(1))[0]
+
+
 def loss_and_grads(trainer, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     trainer.model.zero_grad(set_to_none=True)
     loss = trainer.compute_loss(trainer.model, batch)
@@ -87,10 +94,8 @@ def test_compiled_packed_layers_compile_once_per_grad_mode_whatever_the_batch_pa
 
     def step(prompt_lengths, completion_lengths):  # the reference's forward (no grad) and the loss's, as in a step
         batch = rollout_batch(trainer.model.config.vocab_size, 0, prompt_lengths, completion_lengths)
-        ids, mask = (torch.cat([batch[f"prompt_{key}"], batch[f"completion_{key}"]], 1) for key in ("ids", "mask"))
         with torch.no_grad():
-            batch["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask,
-                                                                                      12)[0]
+            batch["ref_per_token_logps"] = completion_logps(trainer, trainer.ref_model, batch)
         trainer.compute_loss(trainer.model, batch).backward()
 
     step((5, 8, 3, 8), (12, 3, 2, 7))
@@ -133,9 +138,7 @@ def test_padding_free_gives_the_padded_loss_and_gradients_and_keeps_tool_tokens_
     batch = rollout_batch(trainer.model.config.vocab_size)
     assert pack_rows(torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1))[3] == 3
     padded_loss, padded_grads = loss_and_grads(trainer, batch)
-    padded_logps, _, _ = trainer._get_per_token_logps_and_entropies(
-        trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), 12)
+    padded_logps = completion_logps(trainer, trainer.model, batch)
 
     trainer.args.padding_free = True
     scored = []  # the positions the fused LM head is asked to score: the loss's only, not the tool tokens
@@ -144,9 +147,7 @@ def test_padding_free_gives_the_padded_loss_and_gradients_and_keeps_tool_tokens_
     packed_loss, packed_grads = loss_and_grads(trainer, batch)
     hook.remove()
     assert scored == [int((batch["completion_mask"] * batch["tool_mask"]).sum())]
-    packed_logps, _, _ = trainer._get_per_token_logps_and_entropies(
-        trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), 12)
+    packed_logps = completion_logps(trainer, trainer.model, batch)
     real = batch["completion_mask"].bool()
     torch.testing.assert_close(packed_logps[real], padded_logps[real], rtol=1e-4, atol=1e-4)
     assert (packed_logps[~real] == 0).all()
@@ -242,10 +243,8 @@ def test_compile_layers_compiles_each_decoder_layer_in_place_and_gives_the_eager
     assert all(layer._compiled_call_impl is None for layer in eager.model.model.layers + eager.ref_model.model.layers)
     assert compiled.model.state_dict().keys() == eager.model.state_dict().keys()  # what checkpoints and pushes see
     batch = rollout_batch(eager.model.config.vocab_size)
-    ids, mask = (torch.cat([batch[f"prompt_{key}"], batch[f"completion_{key}"]], 1) for key in ("ids", "mask"))
     with torch.no_grad():
-        eager_ref, compiled_ref = (trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, 12)[0]
-                                   for trainer in (eager, compiled))
+        eager_ref, compiled_ref = (completion_logps(trainer, trainer.ref_model, batch) for trainer in (eager, compiled))
     torch.testing.assert_close(compiled_ref, eager_ref, rtol=1e-4, atol=1e-5)
     batch["ref_per_token_logps"] = eager_ref
     for trainer in (eager, compiled):
