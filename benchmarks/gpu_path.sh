@@ -113,6 +113,12 @@ variant_flags() {
       # update's other levers: async_guard's 30 steps took 160-165 s on an H100, 2x the tmpfs lock-step's 287 s needs
       # ~144 s, and its update (2.2 s of a 3.5 s step) is what stays in series. On an H200 (2142228): median step 2.19
       # s, 2.73x the tmpfs lock-step's, 159.9 s end to end (1.43x), ~50 s of it compiling (docs/results/README.md)
+    async_guard_compiled_packed_mb32) echo "$(variant_flags async_guard_compiled_packed)" \
+      "--per_device_train_batch_size 32 --gradient_accumulation_steps 2" ;;  # the same 64 rollouts a step in 2
+      # micro-batches, not 16: DAPO's loss is a sum over the step's tokens (TRL scales each micro-batch's by
+      # steps_per_generation, = gradient_accumulation_steps), so the gradient is the same. On the H200 above, 4
+      # rollouts pack ~1.2k tokens, whose matmuls need ~3 ms at an H200's bf16 peak, and took ~75 ms (update ~1.2
+      # s of a ~2.0 s step): launch-bound. benchmarks.policy_update's 0.5B: 8 x 8 1.04 s, 2 x 32 0.82 s, eager
     async_safe_compiled_packed) echo "$(variant_flags async_safe) --compile_layers true --padding_free true" ;;  # the
       # speed levers over async_safe: alone, async_safe can reach ~1.6x lock-step (the update stays in series);
       # 2x needs the compiled, packed update too
@@ -140,6 +146,7 @@ variant_flags() {
     *) echo "variant $1; expected sync, reload, async, pause, sync_ipc, async_ipc, async_opm, async_trunc," \
          "async_safe, eager, compiled, packed, compiled_packed, nockpt, compiled_packed_nockpt," \
          "async_compiled_packed, async_safe_pause, async_safe_nockpt, async_guard, async_guard_compiled_packed," \
+         "async_guard_compiled_packed_mb32," \
          "async_safe_guard, async_safe_compiled_packed, top1, g16, nosearch, clip20, warmup10, steps80, repair," \
          "close, topp95, pages, pages4 or q15" >&2
        return 2 ;;
