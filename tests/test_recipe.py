@@ -148,6 +148,9 @@ def test_every_learning_variant_of_the_gpu_script_is_a_valid_offline_gpu_recipe(
     fast = parsed["async_safe_compiled_packed"]
     assert (fast.compile_layers, fast.padding_free, fast.off_policy_mask_threshold) == (True, True, 0.02)
     assert not parsed["sync"].async_rollouts
+    fewer = parsed["async_guard_compiled_packed_mb32"]  # the recipe's 64 rollouts a step, in 2 micro-batches
+    assert fewer.generation_batch_size == parsed["sync"].generation_batch_size == 64
+    assert fewer.steps_per_generation == fewer.gradient_accumulation_steps == 2
     # e2e_alone's lock-step pair: the recipe's own push and the tmpfs reload it replaced (issue 23's baseline)
     assert (parsed["sync"].weight_sync, parsed["reload"].weight_sync) == ("ipc", "reload")
     assert parsed["sync"].activation_checkpointing and not parsed["nockpt"].activation_checkpointing
