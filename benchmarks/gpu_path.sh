@@ -27,8 +27,8 @@
 #                                              # mode without checkpointing, a step the policy moved far from
 #                                              # skipped; ~6 min on an H100 with its warm start) then sync (lock-step,
 #                                              # the IPC push; ~8 min); `report ... --baseline sync` for the speedup.
-#                                              # reload (lock-step through tmpfs, issue 23's baseline): 287 s on an
-#                                              # H100, 228 s on an H200 (2026-12-05). SEEDS="0 1 2": each
+#                                              # reload (lock-step through tmpfs, issue 23's baseline): 287 s and 275 s
+#                                              # on two H100s, 228 s on an H200 (2026-12-05/06). SEEDS="0 1 2": each
 #                                              # seed in turn, every run still alone
 #   bash benchmarks/gpu_path.sh rollouts_wiki ["<flags>"]  # one GPU, ~4 min: engine vs TRL's tool loop, 21M x 768 index
 #   bash benchmarks/gpu_path.sh learning_sibling "<seeds>"  # one GPU, ~18 min: the recipe on the 1.5B sibling,
@@ -118,7 +118,9 @@ variant_flags() {
       # micro-batches, not 16: DAPO's loss is a sum over the step's tokens (TRL scales each micro-batch's by
       # steps_per_generation, = gradient_accumulation_steps), so the gradient is the same. On the H200 above, 4
       # rollouts pack ~1.2k tokens, whose matmuls need ~3 ms at an H200's bf16 peak, and took ~75 ms (update ~1.2
-      # s of a ~2.0 s step): launch-bound. benchmarks.policy_update's 0.5B: 8 x 8 1.04 s, 2 x 32 0.82 s, eager
+      # s of a ~2.0 s step): launch-bound. On an H100 (2026-12-06) the update took ~0.4 s, the step ~1.0 s, the 30
+      # steps 91-129 s end to end (2.13-3.02x the tmpfs lock-step); the trainer peaks at 54-55 GiB, so run seeds
+      # in series (SEEDS="0 1 2" e2e_alone) where two would not fit beside each other
     async_safe_compiled_packed) echo "$(variant_flags async_safe) --compile_layers true --padding_free true" ;;  # the
       # speed levers over async_safe: alone, async_safe can reach ~1.6x lock-step (the update stays in series);
       # 2x needs the compiled, packed update too
