@@ -297,6 +297,11 @@ class SnapshotPush:
 
     def __init__(self, model: torch.nn.Module):
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
+        # TRL's fused LM head sets the policy's `forward` to a closure over the policy's own bound forward, which a
+        # deepcopy keeps: the copy would generate with the policy's layers and the weights the optimizer is writing.
+        # Generation needs no fused head, so the copy runs its class's forward on its own weights.
+        for module in self.model.modules():
+            vars(module).pop("forward", None)
 
     @torch.no_grad()
     def push(self, model: torch.nn.Module) -> None:

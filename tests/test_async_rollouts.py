@@ -133,6 +133,26 @@ def test_a_push_waits_for_the_rollouts_in_flight():
     assert metrics["async/generation_s"][-1] >= 0.5  # launch to done, the held half second in it
 
 
+def test_the_in_process_generator_samples_from_its_snapshot_which_only_a_push_moves(tiny_model_dir, questions_file,
+                                                                                   tmp_path):
+    # TRL's fused LM head makes the policy's forward a closure over the policy itself: a snapshot that kept it would
+    # generate with the weights the optimizer is writing, whatever version its rollouts are tagged with
+    args = small_config(tmp_path, questions_file, "http://127.0.0.1:9/retrieve", generator="transformers",
+                        async_rollouts=True, max_staleness=1)
+    trainer = trainer_with_text_reward(str(tiny_model_dir), args)
+    snapshot = trainer.engine.generator.model
+    assert snapshot is trainer.weight_push.model and snapshot is not trainer.model
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        before = snapshot(input_ids=ids).logits
+        for parameter in trainer.model.parameters():  # what an optimizer step does to the policy
+            parameter.mul_(1.5)
+        assert torch.equal(snapshot(input_ids=ids).logits, before)
+        trainer.weight_push.push(trainer.model)
+        torch.testing.assert_close(snapshot(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
+        assert not torch.allclose(snapshot(input_ids=ids).logits, before)
+
+
 def test_a_checkpoint_saves_the_stream_from_before_the_questions_drawn_ahead():
     stream = Counter()
     pipeline, lookahead, _ = pipeline_over(stream, max_staleness=2)
