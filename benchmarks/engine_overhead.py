@@ -38,11 +38,11 @@ from pathlib import Path
 from benchmarks.report import report
 from benchmarks.rollout_throughput import loop_lag_probe, retriever_counts, search_split, workload
 from retriever_server.launch import RetrieverProcess
-from searchr1_trl.assets import require
+from searchr1_trl.assets.offline import require
 from searchr1_trl.engine.generation import Generation, Generator, SamplingParams, VLLMServerGenerator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
-from searchr1_trl.processes import free_port
-from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
+from searchr1_trl.serving.processes import free_port
+from searchr1_trl.tasks.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 
 
 class Script:
@@ -166,7 +166,7 @@ PARTS = {
     "tokenizer (encode)": [("transformers/tokenization_utils_base.py", "__call__"),
                            ("transformers/tokenization_utils_base.py", "encode")],
     "parser": [("searchr1_trl/engine/parsing.py", "parse_turn")],
-    "env.step (retrieval client)": [("searchr1_trl/search_r1/env.py", "step")],
+    "env.step (retrieval client)": [("searchr1_trl/tasks/search_r1/env.py", "step")],
     "generator.generate (HTTP client)": [("searchr1_trl/engine/generation.py", "generate"),
                                          ("benchmarks/engine_overhead.py", "generate")],
 }

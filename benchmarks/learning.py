@@ -34,10 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-from searchr1_trl.assets import MODEL, cache_dir
+from searchr1_trl.assets.offline import MODEL, cache_dir
 from searchr1_trl.engine.parsing import response_parser, tool_call_end
 from searchr1_trl.engine.rollout import close_tool_call
-from searchr1_trl.search_r1.env import SEARCH_TOOL
+from searchr1_trl.tasks.search_r1.env import SEARCH_TOOL
 
 ROOT = Path(__file__).resolve().parent.parent
 

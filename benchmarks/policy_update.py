@@ -3,7 +3,7 @@ plus in-process generation throughput. Prints one JSON line per measurement (and
 
     python -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --batch 8 --seq 2048
     python -m benchmarks.policy_update --model Qwen/Qwen3-8B --batch 4 --seq 2048 --activation_checkpointing
-    # the levers (searchr1_trl/update.py and TRL's own), one flag each:
+    # the levers (searchr1_trl/training/update.py and TRL's own), one flag each:
     python -m benchmarks.policy_update --model Qwen/Qwen3-1.7B --dtype bfloat16 --fp32_master_weights \
         --padding_free --ragged --compile_layers
     # the offline recipe's update: its 0.5B model, 8 micro-batches of 8 rollouts per optimizer step
@@ -32,10 +32,10 @@ import torch
 
 from benchmarks.report import report
 from benchmarks.zero3_update import matmul_tflops, synthetic_rollouts
-from searchr1_trl.assets import require
+from searchr1_trl.assets.offline import require
+from searchr1_trl.assets.shapes import random_model
 from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator
-from searchr1_trl.shapes import random_model
-from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
+from searchr1_trl.training.trainer import SearchR1Config, SearchR1Trainer
 
 
 def ragged(rollouts: dict, seed: int) -> dict:
@@ -150,7 +150,7 @@ def generation(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="Qwen/Qwen3-1.7B",
-                        help="a published shape (searchr1_trl/shapes.py, random weights) or a checkpoint folder")
+                        help="a published shape (searchr1_trl/assets/shapes.py, random weights) or a checkpoint folder")
     parser.add_argument("--batch", type=int, default=8, help="rollouts per micro-batch")
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--seq", type=int, default=2048)

@@ -8,8 +8,8 @@ import argparse
 
 from transformers import AutoTokenizer
 
-from searchr1_trl.assets import require
-from searchr1_trl.shapes import random_model
+from searchr1_trl.assets.offline import require
+from searchr1_trl.assets.shapes import random_model
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ import psutil
 from benchmarks.report import report
 from retriever_server.launch import RetrieverProcess
 from retriever_server.metrics import parse_prometheus
-from searchr1_trl.assets import cache_dir, require
+from searchr1_trl.assets.offline import cache_dir, require
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -45,7 +45,7 @@ from retriever_server.launch import RetrieverProcess
 from retriever_server.metrics import parse_prometheus
 from retriever_server.retriever import Retriever, set_cpu_threads
 from retriever_server.server import ServerConfig, create_app, format_result, json_response, parse_request
-from searchr1_trl.assets import require
+from searchr1_trl.assets.offline import require
 
 
 class Timed:

@@ -56,7 +56,7 @@ import pandas as pd
 from benchmarks.report import report
 from retriever_server.launch import RetrieverProcess
 from retriever_server.metrics import parse_prometheus
-from searchr1_trl.assets import require
+from searchr1_trl.assets.offline import require
 from searchr1_trl.engine.generation import (
     SamplingParams,
     TransformersGenerator,
@@ -64,11 +64,11 @@ from searchr1_trl.engine.generation import (
 )
 from searchr1_trl.engine.parsing import response_parser
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
-from searchr1_trl.processes import free_port
-from searchr1_trl.search_r1.data import SearchR1Sample
-from searchr1_trl.search_r1.env import SEARCH_TOOL, SearchR1EnvConfig, SearchR1EnvFactory
-from searchr1_trl.search_r1.retrieval import RetrievalClient
-from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+from searchr1_trl.serving.processes import free_port
+from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
+from searchr1_trl.tasks.search_r1.data import SearchR1Sample
+from searchr1_trl.tasks.search_r1.env import SEARCH_TOOL, SearchR1EnvConfig, SearchR1EnvFactory
+from searchr1_trl.tasks.search_r1.retrieval import RetrievalClient
 
 ARTICLES = 8  # SQuAD dev articles whose passages form the corpus and whose questions are asked
 

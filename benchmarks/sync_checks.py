@@ -1,6 +1,6 @@
 """Both weight pushes checked on two GPUs, servers included: :mod:`benchmarks.weight_sync` against two vLLM servers
 this starts, waits for and stops on exit (also on an error or Ctrl-C; when this process is killed the servers' reapers
-stop them: :func:`searchr1_trl.processes.owned_popen`).
+stop them: :func:`searchr1_trl.serving.processes.owned_popen`).
 
 - ``nccl``: the server on GPU 0, without CUDA graphs; the trainer on GPU 1 (two processes on one GPU cannot form
   an NCCL pair).
@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from searchr1_trl.processes import run_reporting
-from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig, reload_weights
-from searchr1_trl.weight_sync import IPC_WORKER_EXTENSION
+from searchr1_trl.serving.processes import run_reporting
+from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig, reload_weights
+from searchr1_trl.serving.weight_sync import IPC_WORKER_EXTENSION
 
 
 @dataclass(frozen=True)

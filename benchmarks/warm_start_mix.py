@@ -16,8 +16,8 @@ import argparse
 from transformers import AutoTokenizer
 
 from benchmarks.report import report
-from searchr1_trl.recipe import build_task, load_recipe
-from searchr1_trl.warm_start import scripted_warm_start_traces
+from searchr1_trl.training.recipe import build_task, load_recipe
+from searchr1_trl.training.warm_start import scripted_warm_start_traces
 
 
 def mix(config: str, search_url: str, topk: int, num_traces: int, seed: int, overrides: list[str] = ()) -> dict:

@@ -8,7 +8,7 @@ weights after a push, and how long does the push take?
    ``VLLMClient`` over NCCL: the trainer on another GPU than the server) or ``reload`` (safetensors to a tmpfs
    folder the server reloads: works with both on one GPU; ``--push_dtype bfloat16`` writes the weights rounded to
    bf16, as the recipe's ``weight_sync_dtype: bfloat16`` does) or ``ipc`` (CUDA IPC handles of bf16 copies to a
-   server on the same GPU started with ``--worker-extension-cls searchr1_trl.weight_sync.IpcWeightLoader``).
+   server on the same GPU started with ``--worker-extension-cls searchr1_trl.serving.weight_sync.IpcWeightLoader``).
 4. Both logprobs again: the gap after the push must stay within ``--tolerance`` (mean absolute, nats; bf16 kernels
    differ between vLLM and transformers), and the server's per-token change must follow the trainer's (correlation,
    same sign). Then ``--pushes`` timed pushes of the unchanged weights.
@@ -30,8 +30,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.report import report
-from searchr1_trl.vllm_server import reload_weights
-from searchr1_trl.weight_sync import IpcPush, save_for_reload
+from searchr1_trl.serving.vllm_server import reload_weights
+from searchr1_trl.serving.weight_sync import IpcPush, save_for_reload
 
 
 def post(url: str, payload: dict) -> dict:

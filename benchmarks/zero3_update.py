@@ -31,9 +31,9 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.report import report
-from searchr1_trl.assets import require
-from searchr1_trl.shapes import random_model
-from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
+from searchr1_trl.assets.offline import require
+from searchr1_trl.assets.shapes import random_model
+from searchr1_trl.training.trainer import SearchR1Config, SearchR1Trainer
 
 
 def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:

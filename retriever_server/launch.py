@@ -1,6 +1,6 @@
 """Run the retrieval server as a child process (tests, the offline job, benchmarks) and stop it reliably, also
 when the parent is killed: the kernel then SIGKILLs the server (``PR_SET_PDEATHSIG``; the server starts no
-processes of its own, so that is all of it; vLLM, which does, gets a reaper in ``searchr1_trl.processes``)."""
+processes of its own, so that is all of it; vLLM, which does, gets a reaper in ``searchr1_trl.serving.processes``)."""
 
 from __future__ import annotations
 

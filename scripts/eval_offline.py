@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 from retriever_server.launch import RetrieverProcess
-from searchr1_trl.assets import corpus_slice, prepare
+from searchr1_trl.assets.offline import corpus_slice, prepare
 from searchr1_trl.cli import eval as eval_cli
-from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
 
 logger = logging.getLogger("eval_offline")
 

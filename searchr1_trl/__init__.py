@@ -7,7 +7,7 @@ The names a user needs, importable from the package itself::
     args, model_args = load_recipe(["--config", "offline"])
     SearchR1Trainer(model=model_args.model_name_or_path, args=args).train()
 
-Each name is imported from its module on first use, so ``import searchr1_trl.assets`` (the asset command) or
+Each name is imported from its module on first use, so ``import searchr1_trl.assets.offline`` (the asset command) or
 ``searchr1_trl.engine.parsing`` does not pay for importing TRL and torch.
 """
 
@@ -17,19 +17,21 @@ import importlib
 
 # name -> the module defining it; the data flow, top to bottom (README "Where things are").
 _EXPORTS = {
-    "SearchR1Dataset": "search_r1.data", "SearchR1DatasetConfig": "search_r1.data",
-    "SearchR1Sample": "search_r1.data",
-    "SearchR1Env": "search_r1.env", "SearchR1EnvConfig": "search_r1.env", "SearchR1EnvFactory": "search_r1.env",
+    "SearchR1Dataset": "tasks.search_r1.data", "SearchR1DatasetConfig": "tasks.search_r1.data",
+    "SearchR1Sample": "tasks.search_r1.data",
+    "SearchR1Env": "tasks.search_r1.env", "SearchR1EnvConfig": "tasks.search_r1.env",
+    "SearchR1EnvFactory": "tasks.search_r1.env",
     "EnvFactory": "engine.rollout", "EnvStep": "engine.rollout", "MessageEnv": "engine.rollout",
     "Rollout": "engine.rollout",
     "RolloutConfig": "engine.rollout", "RolloutEngine": "engine.rollout", "RolloutStatus": "engine.rollout",
     "response_parser": "engine.parsing",
     "Generation": "engine.generation", "Generator": "engine.generation", "SamplingParams": "engine.generation",
     "TransformersGenerator": "engine.generation", "VLLMServerGenerator": "engine.generation",
-    "RewardExactMatch": "search_r1.rubric", "RewardExactMatchConfig": "search_r1.rubric",
-    "Rubric": "search_r1.rubric", "RubricConfig": "search_r1.rubric",
-    "SearchR1Config": "recipe", "SearchR1Task": "recipe", "build_task": "recipe", "load_recipe": "recipe",
-    "SearchR1Trainer": "trainer",
+    "RewardExactMatch": "tasks.search_r1.rubric", "RewardExactMatchConfig": "tasks.search_r1.rubric",
+    "Rubric": "tasks.search_r1.rubric", "RubricConfig": "tasks.search_r1.rubric",
+    "SearchR1Config": "training.recipe", "SearchR1Task": "training.recipe", "build_task": "training.recipe",
+    "load_recipe": "training.recipe",
+    "SearchR1Trainer": "training.trainer",
 }
 
 __all__ = sorted(_EXPORTS)

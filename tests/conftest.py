@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from retriever_server.launch import RetrieverProcess
-from searchr1_trl.processes import free_port
+from searchr1_trl.serving.processes import free_port
 from tests.suite_memory import (  # noqa: F401 - the suite's memory peak, reported at the end of every run
     pytest_runtest_logstart,
     pytest_sessionfinish,
@@ -112,7 +112,7 @@ def template_tokenizer(offline_assets, template: str | None):
 
 @pytest.fixture(scope="session")
 def offline_assets():
-    from searchr1_trl.assets import require
+    from searchr1_trl.assets.offline import require
 
     return require()
 
@@ -165,8 +165,8 @@ def squad_dev_sample(offline_assets):
 def vllm_server(offline_assets, tmp_path_factory):
     """A real `trl vllm-serve` on CPU serving the offline Qwen2.5-Coder-0.5B-Instruct (with the CUDA IPC weight
     loader installed, whose CPU refusal a test checks)."""
-    from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
-    from searchr1_trl.weight_sync import IPC_WORKER_EXTENSION
+    from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
+    from searchr1_trl.serving.weight_sync import IPC_WORKER_EXTENSION
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     config = VLLMServerConfig.for_this_machine(offline_assets.model, port=free_port(), max_model_len=4096,

@@ -13,23 +13,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Lower layers never import higher ones. A unit is a top-level module or a sub-package (a folder): modules of one
-# folder may import each other (the cycle test still applies); two units of one layer only where listed in SAME_LAYER.
+# Lower layers never import higher ones. A unit is a folder of the package (a layer): modules of one folder may import
+# each other (the cycle test still applies), two folders only downwards.
 LAYERS = [
-    {"shapes", "assets", "processes", "vllm_server", "update", "weight_sync", "callbacks",
-     "async_rollouts"},  # leaves
-    {"engine"},  # the generic multi-turn tool engine: rollout loop, parsing, generation backends
-    {"search_r1"},  # the Search-R1 task: data, env, retrieval client, rubric
-    {"warm_start"},  # scripted traces of the task, fine-tuned on before GRPO
-    {"recipe", "plan", "evaluation"},  # the flat config, its wiring and its checks; EM tables of a policy
-    {"trainer"},  # the TRL trainer
-    {"cli"},  # the console scripts
+    "assets",  # what a run reads that is not code: offline assets, published model shapes
+    "serving",  # the processes beside the trainer: reaper, vLLM server, weight sync
+    "engine",  # the generic multi-turn tool engine: rollout loop, parsing, generation backends
+    "tasks",  # the tasks on the engine, one folder each: data, env, rubric
+    "training",  # the recipe, its checks, the TRL trainer, its guards, warm start and validation
+    "cli",  # the console scripts
 ]
-SAME_LAYER: set[tuple[str, str]] = {
-    ("vllm_server", "processes"),  # the vLLM launcher runs it under a reaper
-    ("weight_sync", "vllm_server"),  # a reload push asks the server to load the folder
-    ("async_rollouts", "update"),  # the importance weights cover the loss's tokens
-}
 
 
 def imported(path: Path) -> set[str]:
@@ -74,28 +67,28 @@ def unit(module: str) -> str:
 def layer(module: str) -> int:
     if module == "__init__":
         return len(LAYERS)  # the front door re-exports everything
-    return next(i for i, units in enumerate(LAYERS) if unit(module) in units)
+    return LAYERS.index(unit(module))
 
 
-def test_every_module_of_the_trainer_package_has_a_layer():
-    assert {unit(m) for m in imports("searchr1_trl")} - {"__init__"} == set().union(*LAYERS)
+def test_the_layers_are_the_folders_of_the_package():
+    folders = {p.name for p in (ROOT / "searchr1_trl").iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(LAYERS)
+    assert {unit(m) for m in imports("searchr1_trl")} - {"__init__"} == set(LAYERS)
 
 
 def test_the_engine_and_the_task_live_in_their_folders():
     # "A new task is data + env + rubric" is visible in the tree: the generic engine and the task apart.
     found = set(modules("searchr1_trl"))
     assert {"engine.rollout", "engine.parsing", "engine.generation"} <= found
-    assert {"search_r1.data", "search_r1.env", "search_r1.rubric"} <= found
+    assert {"tasks.search_r1.data", "tasks.search_r1.env", "tasks.search_r1.rubric"} <= found
 
 
-def test_no_module_imports_a_higher_layer_or_its_own_layer_unless_listed():
+def test_no_module_imports_a_higher_layer():
     upward = [
         (module, target)
         for module, targets in imports("searchr1_trl").items()
         for target in targets
         if layer(target) > layer(module)
-        or (layer(target) == layer(module) and unit(target) != unit(module)
-            and (unit(module), unit(target)) not in SAME_LAYER)
     ]
     assert upward == []
 
@@ -136,7 +129,7 @@ def test_the_front_door_exports_every_public_name_from_its_module():
 def test_importing_a_light_module_does_not_import_trl():
     # The asset command and the parser stay quick to import: the front door imports lazily. The main job's launcher
     # (scripts/offline_job.py) imports the generation and server modules too: with trl it held 0.45 GiB more.
-    code = ("import sys, searchr1_trl.assets, searchr1_trl.engine.parsing, searchr1_trl.engine.generation, "
-            "searchr1_trl.vllm_server, retriever_server.launch; print('trl' in sys.modules)")
+    code = ("import sys, searchr1_trl.assets.offline, searchr1_trl.engine.parsing, searchr1_trl.engine.generation, "
+            "searchr1_trl.serving.vllm_server, retriever_server.launch; print('trl' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"

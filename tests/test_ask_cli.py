@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from searchr1_trl import evaluation
 from searchr1_trl.cli import ask
+from searchr1_trl.training import evaluation
 
 
 def test_the_text_shows_each_query_with_its_passage_titles_then_the_answer():

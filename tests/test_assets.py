@@ -11,8 +11,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from searchr1_trl import assets
-from searchr1_trl.assets import (
+from searchr1_trl.assets import offline as assets
+from searchr1_trl.assets.offline import (
     EMBEDDER_WEIGHTS,
     MODEL,
     SIBLING,

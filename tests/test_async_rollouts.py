@@ -1,4 +1,5 @@
-"""Asynchronous rollouts (searchr1_trl/async_rollouts.py): rollouts carry the policy version they were sampled with,
+"""Asynchronous rollouts (searchr1_trl/training/experimental/async_rollouts.py): rollouts carry the policy version they
+were sampled with,
 none older than max_staleness is trained on, stale ones are weighted by pi_current / pi_behaviour as TRL weights
 vLLM's, and a resumed run trains on the questions an uninterrupted one does."""
 
@@ -22,7 +23,9 @@ from test_trainer import StopAfter, small_config, trainer_with_text_reward
 from test_update import loss_and_grads, rollout_batch, update_config
 from transformers import TrainerCallback
 
-from searchr1_trl.async_rollouts import (
+from searchr1_trl.serving.vllm_server import reload_weights
+from searchr1_trl.training.callbacks import DivergentStepGuard
+from searchr1_trl.training.experimental.async_rollouts import (
     WEIGHTS,
     Lookahead,
     RolloutPipeline,
@@ -33,11 +36,9 @@ from searchr1_trl.async_rollouts import (
     log_staleness,
     weight_by_behaviour,
 )
-from searchr1_trl.callbacks import DivergentStepGuard
-from searchr1_trl.recipe import build_task
-from searchr1_trl.trainer import STREAM_STATE_FILE, SearchR1Trainer
-from searchr1_trl.update import loss_mask
-from searchr1_trl.vllm_server import reload_weights
+from searchr1_trl.training.recipe import build_task
+from searchr1_trl.training.trainer import STREAM_STATE_FILE, SearchR1Trainer
+from searchr1_trl.training.update import loss_mask
 
 
 class Counter:
@@ -473,7 +474,7 @@ def test_a_paused_push_lets_the_rollout_in_flight_go_on_with_the_new_weights(vll
                                                                            tmp_path):
     from accelerate import Accelerator
 
-    from searchr1_trl.weight_sync import PausedPush
+    from searchr1_trl.serving.weight_sync import PausedPush
 
     # long enough that the pause lands mid-way even when this process reads the stream late (48 tokens were not, once,
     # with other tests running beside the suite: the server had finished when the pause came)
@@ -556,7 +557,7 @@ def test_a_step_the_policy_moved_too_far_from_is_skipped_and_the_next_one_is_on_
                         max_behaviour_kl=1e-4)
     weights = WeightsAtEachStep()
     trainer = trainer_with_text_reward(str(tiny_model_dir), args, callbacks=[weights])
-    with caplog.at_level("WARNING", logger="searchr1_trl.callbacks"):
+    with caplog.at_level("WARNING", logger="searchr1_trl.training.callbacks"):
         trainer.train()
     logged = [entry for entry in trainer.state.log_history if "async/staleness" in entry]
     gaps = [entry["async/behaviour_kl"] for entry in logged]
@@ -571,7 +572,7 @@ def test_a_step_the_policy_moved_too_far_from_is_skipped_and_the_next_one_is_on_
 
 def test_an_async_recipe_without_the_bound_is_warned_where_the_bound_could_run(questions_file, tmp_path, caplog):
     unbounded = update_config(tmp_path, questions_file, async_rollouts=True, generator="vllm")
-    with caplog.at_level("WARNING", logger="searchr1_trl.async_rollouts"):
+    with caplog.at_level("WARNING", logger="searchr1_trl.training.experimental.async_rollouts"):
         check_recipe(update_config(tmp_path, questions_file, async_rollouts=True, max_behaviour_kl=0.01),
                      deepspeed=False)
         check_recipe(unbounded, deepspeed=True)  # where it cannot skip a step, there is nothing to advise

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import TrainerControl, TrainerState
 
-from searchr1_trl import evaluation
-from searchr1_trl.callbacks import CollapseGuard, CollapseGuardConfig
-from searchr1_trl.recipe import build_task
-from searchr1_trl.trainer import SearchR1Trainer
+from searchr1_trl.training import evaluation
+from searchr1_trl.training.callbacks import CollapseGuard, CollapseGuardConfig
+from searchr1_trl.training.recipe import build_task
+from searchr1_trl.training.trainer import SearchR1Trainer
 from tests.test_trainer import model_text_reward, small_config
 
 
@@ -153,7 +153,7 @@ def test_groups_without_reward_spread_leave_the_loss(tiny_model_dir, tmp_path, q
 
 
 def test_without_checkpoints_the_guard_still_stops_and_says_it_cannot_end_on_the_best(tmp_path, caplog):
-    from searchr1_trl.recipe import SearchR1Config
+    from searchr1_trl.training.recipe import SearchR1Config
 
     with caplog.at_level(logging.WARNING):
         args = SearchR1Config(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
@@ -163,7 +163,7 @@ def test_without_checkpoints_the_guard_still_stops_and_says_it_cannot_end_on_the
 
 
 def test_a_report_sample_without_validation_names_what_to_set(tmp_path, questions_file):
-    from searchr1_trl.recipe import SearchR1Config
+    from searchr1_trl.training.recipe import SearchR1Config
 
     args = SearchR1Config(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
                           eval_strategy="no", report_num_samples=5, train_data_path=questions_file,

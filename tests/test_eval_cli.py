@@ -32,7 +32,7 @@ def eval_args(checkpoint, data, output_dir, *extra) -> list[str]:
 def test_the_policy_flags_are_the_recipes_with_its_defaults():
     from dataclasses import fields
 
-    from searchr1_trl.recipe import KNOBS, SearchR1Config
+    from searchr1_trl.training.recipe import KNOBS, SearchR1Config
 
     recipe = {f.name: f.default for f in fields(SearchR1Config) if KNOBS.get(f.name, ("",))[0] in
               ("env", "rollout", "sampling")}
@@ -56,7 +56,7 @@ def test_the_sample_is_seeded_random_across_articles_and_a_larger_one_extends_a_
 
 
 def test_the_500_question_sample_of_seed_0_is_the_offline_gpu_recipes_validation_sample(offline_assets):
-    from searchr1_trl.recipe import build_task, load_recipe
+    from searchr1_trl.training.recipe import build_task, load_recipe
 
     args, _ = load_recipe(["--config", "offline_gpu", "--use_cpu", "true", "--eval_data_path",
                            offline_assets.test_questions])
@@ -162,7 +162,7 @@ def eval_offline(*argv: str) -> None:
 
 @pytest.mark.slow  # builds an index and starts the real retriever
 def test_eval_offline_with_in_process_generation_starts_its_retriever_and_no_vllm(tiny_model_dir, tmp_path, capfd):
-    from searchr1_trl.processes import free_port
+    from searchr1_trl.serving.processes import free_port
 
     out = tmp_path / "eval"
     eval_offline("--checkpoints", str(tiny_model_dir), "--num_samples", "2", "--distractors", "10", "--methods",

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from searchr1_trl import evaluation
 from searchr1_trl.engine.generation import Generation, Generator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine, RolloutStatus
-from searchr1_trl.search_r1.data import SearchR1Sample
-from searchr1_trl.search_r1.env import RESTATEMENT, SearchR1EnvConfig, SearchR1EnvFactory
-from searchr1_trl.search_r1.rubric import Rubric
+from searchr1_trl.tasks.search_r1.data import SearchR1Sample
+from searchr1_trl.tasks.search_r1.env import RESTATEMENT, SearchR1EnvConfig, SearchR1EnvFactory
+from searchr1_trl.tasks.search_r1.rubric import Rubric
+from searchr1_trl.training import evaluation
 
 QUESTION = SearchR1Sample("Which NFL team represented the AFC at Super Bowl 50?", ("Denver Broncos",), "squad")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator, VLLMServerGenerator, end_token_ids
-from searchr1_trl.processes import free_port
+from searchr1_trl.serving.processes import free_port
 from tests.conftest import serve_fake
 
 PROMPTS = [[151644, 872, 198, 9707], [151644, 872, 198, 3838, 374, 279, 6722, 315, 9625, 30], [9707, 11, 1879]]

@@ -10,7 +10,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from searchr1_trl.assets import MODEL, SIBLING
+from searchr1_trl.assets.offline import MODEL, SIBLING
 
 ROOT = Path(__file__).resolve().parent.parent
 

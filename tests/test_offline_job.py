@@ -70,7 +70,8 @@ def test_an_ipc_plan_serves_on_the_trainers_gpu_with_the_ipc_loader_and_refuses_
     commands = plan("--config", "offline_gpu", "--corpus", "full", "--generator", "vllm", "--weight_sync", "ipc",
                     "--generator_gpu", "0", "--trainer_gpu", "0")
     generator = commands["generator"]["command"]
-    assert generator[generator.index("--worker-extension-cls") + 1] == "searchr1_trl.weight_sync.IpcWeightLoader"
+    assert generator[generator.index("--worker-extension-cls") + 1] == (
+        "searchr1_trl.serving.weight_sync.IpcWeightLoader")
     args = commands["trainer"]["command"]
     assert args[args.index("--weight_sync") + 1] == "ipc"
     default = plan("--config", "offline_gpu", "--generator", "vllm")  # the recipe's own push since 2026-12-05

@@ -10,10 +10,11 @@ from dataclasses import fields
 
 import pytest
 
-from searchr1_trl import assets, async_rollouts
+from searchr1_trl.assets import offline as assets
 from searchr1_trl.cli.train import main as train_main
-from searchr1_trl.plan import PlanError, check_machine, validate_plan
-from searchr1_trl.recipe import (
+from searchr1_trl.training.experimental import async_rollouts
+from searchr1_trl.training.plan import PlanError, check_machine, validate_plan
+from searchr1_trl.training.recipe import (
     CONFIGS,
     KNOBS,
     PARTS,
@@ -78,7 +79,7 @@ def test_generator_auto_is_vllm_where_it_is_installed_and_transformers_elsewhere
 def test_weight_sync_dtype_is_checked_and_a_push_it_does_not_apply_to_is_named(caplog):
     with pytest.raises(ValueError, match=r"weight_sync_dtype='bf16'; expected bfloat16, float16 or float32"):
         parse_recipe("offline_gpu", "--weight_sync_dtype", "bf16")
-    with caplog.at_level("WARNING", logger="searchr1_trl.recipe"):
+    with caplog.at_level("WARNING", logger="searchr1_trl.training.recipe"):
         args = parse_recipe("offline_gpu", "--generator", "vllm", "--weight_sync", "nccl")[0]
     assert args.weight_sync_dtype == "bfloat16"
     assert "applies to reload and ipc pushes to a vLLM server only" in caplog.text and "weight_sync=nccl" in caplog.text
@@ -115,11 +116,11 @@ def gpu_path_variants() -> tuple[dict[str, list[str]], list[str]]:
 def test_pausing_rollouts_for_a_push_is_checked_with_a_warning_of_its_gpu_collapse(caplog):
     args = parse_recipe("offline_gpu", "--generator", "vllm", "--async_rollouts", "true",
                         "--in_flight_rollouts", "pause")[0]
-    with caplog.at_level("WARNING", logger="searchr1_trl.async_rollouts"):
+    with caplog.at_level("WARNING", logger="searchr1_trl.training.experimental.async_rollouts"):
         async_rollouts.check_recipe(args, deepspeed=False)
     assert "in_flight_rollouts='pause'" in caplog.text and "collapsed" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="searchr1_trl.async_rollouts"):
+    with caplog.at_level("WARNING", logger="searchr1_trl.training.experimental.async_rollouts"):
         async_rollouts.check_recipe(parse_recipe("offline_gpu", "--generator", "vllm", "--async_rollouts", "true")[0],
                                     deepspeed=False)
     assert "in_flight_rollouts" not in caplog.text  # the default, finish, runs as measured
@@ -341,7 +342,7 @@ def test_plan_waits_for_a_vllm_server_that_is_starting_up_until_vllm_server_time
     import threading
     import time
 
-    from searchr1_trl.processes import free_port
+    from searchr1_trl.serving.processes import free_port
     from tests.conftest import serve_health
 
     retriever = serve_health()

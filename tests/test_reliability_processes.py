@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from searchr1_trl.processes import free_port, run_reporting
+from searchr1_trl.serving.processes import free_port, run_reporting
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_COMMANDS = re.compile(r"(trl vllm-serve|vllm serve|searchr1-retriever) ")
@@ -52,7 +52,7 @@ def test_every_vllm_serve_command_in_the_docs_and_scripts_binds_loopback_or_a_na
 
 
 def test_the_error_for_a_missing_vllm_server_gives_a_command_bound_to_loopback():
-    from searchr1_trl.evaluation import check_generator
+    from searchr1_trl.training.evaluation import check_generator
 
     with pytest.raises(ValueError, match=r"start `trl vllm-serve --model m --host 127\.0\.0\.1`"):
         check_generator("vllm", "m", f"http://127.0.0.1:{free_port()}")
@@ -61,7 +61,7 @@ def test_the_error_for_a_missing_vllm_server_gives_a_command_bound_to_loopback()
 PARENT = textwrap.dedent("""
     import json, sys, time
     from retriever_server.launch import RetrieverProcess
-    from searchr1_trl.processes import owned_popen
+    from searchr1_trl.serving.processes import owned_popen
 
     index, corpus, model, port = sys.argv[1:]
     retriever = RetrieverProcess(index_path=index, corpus_path=corpus, retriever_model=model, port=int(port))

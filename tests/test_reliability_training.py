@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from test_trainer import RecordingStream, small_config
 
-from searchr1_trl import trainer as trainer_module
-from searchr1_trl import weight_sync
-from searchr1_trl.recipe import build_task, part_config
-from searchr1_trl.search_r1.data import SearchR1Dataset
-from searchr1_trl.trainer import CHECKPOINT_COMPLETE_FILE, SearchR1Trainer
+from searchr1_trl.serving import weight_sync
+from searchr1_trl.tasks.search_r1.data import SearchR1Dataset
+from searchr1_trl.training import trainer as trainer_module
+from searchr1_trl.training.recipe import build_task, part_config
+from searchr1_trl.training.trainer import CHECKPOINT_COMPLETE_FILE, SearchR1Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS_PER_STEP = 1  # small_config: 1 per device x 2 accumulation / 2 generations
@@ -36,7 +36,7 @@ CHILD = textwrap.dedent("""
     import os, signal, sys
     import transformers.trainer
     from transformers import TrainerCallback
-    from searchr1_trl.trainer import SearchR1Trainer
+    from searchr1_trl.training.trainer import SearchR1Trainer
     from test_trainer import small_config
 
     model, out, questions, url, mode = sys.argv[1:]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from test_trainer import small_config
 
-from searchr1_trl.trainer import SearchR1Trainer
+from searchr1_trl.training.trainer import SearchR1Trainer
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import pytest
 
 from retriever_server.launch import RetrieverProcess
 from retriever_server.metrics import parse_prometheus
-from searchr1_trl.assets import SQUAD_DEV, cache_dir
-from searchr1_trl.processes import free_port
+from searchr1_trl.assets.offline import SQUAD_DEV, cache_dir
+from searchr1_trl.serving.processes import free_port
 
 MAX_TOPK = 100  # the server's default --max_topk
 MAX_QUERIES = 1024  # the server's default --max_queries_per_request

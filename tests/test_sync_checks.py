@@ -36,7 +36,8 @@ def test_the_ipc_push_goes_to_the_server_on_the_trainers_gpu_which_has_the_ipc_l
     checks = plan(capsys)
     ipc, reload, nccl = checks["ipc"], checks["reload"], checks["nccl"]
     assert ipc["server"] == reload["server"] and ipc["server"]["env"] == ipc["check"]["env"]
-    assert flag(ipc["server"]["command"], "--worker-extension-cls") == "searchr1_trl.weight_sync.IpcWeightLoader"
+    assert flag(ipc["server"]["command"], "--worker-extension-cls") == (
+        "searchr1_trl.serving.weight_sync.IpcWeightLoader")
     assert "--worker-extension-cls" not in nccl["server"]["command"]
     assert flag(ipc["check"]["command"], "--push_dtype") == "bfloat16"
     # the reload check ran first on that server: it goes back to the checkpoint, or the IPC check would meet the

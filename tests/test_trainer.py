@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from searchr1_trl.recipe import build_task, part_config
-from searchr1_trl.search_r1.data import SearchR1Dataset
-from searchr1_trl.trainer import STREAM_STATE_FILE, SearchR1Config, SearchR1Trainer
-from searchr1_trl.vllm_server import reload_weights
-from searchr1_trl.weight_sync import save_for_reload, weight_push
+from searchr1_trl.serving.vllm_server import reload_weights
+from searchr1_trl.serving.weight_sync import save_for_reload, weight_push
+from searchr1_trl.tasks.search_r1.data import SearchR1Dataset
+from searchr1_trl.training.recipe import build_task, part_config
+from searchr1_trl.training.trainer import STREAM_STATE_FILE, SearchR1Config, SearchR1Trainer
 
 # ---- the whole stack -------------------------------------------------------------------------------------------
 
@@ -259,7 +259,7 @@ def test_the_lora_cpu_recipe_pushes_merged_weights_that_the_server_then_samples_
         offline_assets, vllm_server, retriever_url, questions_file, tmp_path, tokenizer):
     from trl import get_peft_config
 
-    from searchr1_trl.recipe import load_recipe
+    from searchr1_trl.training.recipe import load_recipe
 
     recipe, model_args = load_recipe(["--config", "offline"])
     assert model_args.use_peft and not recipe.activation_checkpointing
@@ -389,7 +389,7 @@ def test_validation_is_the_agent_method_of_the_evaluation_module(tiny_model_dir,
                                                                   tmp_path, capsys):
     import asyncio
 
-    from searchr1_trl import evaluation
+    from searchr1_trl.training import evaluation
 
     args = small_config(tmp_path, questions_file, retriever_url, generator="transformers", max_tokens_per_turn=8,
                         eval_num_samples=4, eval_on_start=True)
@@ -437,7 +437,7 @@ def test_refused_training_turns_are_kept_with_their_text_and_closed_calls_counte
 def test_training_stops_in_one_line_when_more_than_the_allowed_fraction_of_a_steps_searches_fail():
     from types import SimpleNamespace
 
-    from searchr1_trl.trainer import SearchOutage
+    from searchr1_trl.training.trainer import SearchOutage
 
     trainer = SimpleNamespace(args=SimpleNamespace(max_failed_search_fraction=0.5, search_url="http://r:8000/retrieve"),
                               state=SimpleNamespace(global_step=6))

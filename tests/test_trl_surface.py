@@ -1,4 +1,4 @@
-"""The private TRL and transformers surface SearchR1Trainer relies on, listed in ``searchr1_trl/trainer.py``'s
+"""The private TRL and transformers surface SearchR1Trainer relies on, listed in ``searchr1_trl/training/trainer.py``'s
 docstring, is there: a TRL upgrade that moves it fails here by name, not as an AttributeError mid-training."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import transformers
 import trl
 
-from searchr1_trl import trainer
+from searchr1_trl.training import trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,8 +48,9 @@ def exists(dotted: str) -> bool:
 def test_the_installed_version_is_the_pinned_one(package, module):
     assert module.__version__ == pinned(package), (
         f"{package} {module.__version__} is installed but requirements-lock.txt pins {pinned(package)}: "
-        f"SearchR1Trainer relies on private {package} methods and attributes (searchr1_trl/trainer.py's docstring "
-        f"lists them); check each against {module.__version__}, then move the pin and the docstring")
+        f"SearchR1Trainer relies on private {package} methods and attributes "
+        f"(searchr1_trl/training/trainer.py's docstring lists them); check each against {module.__version__}, then "
+        "move the pin and the docstring")
 
 
 def test_the_docstring_names_the_pinned_versions():
@@ -68,4 +69,5 @@ def test_the_list_names_every_private_method_the_trainer_overrides():
 @pytest.mark.parametrize("dotted", surface())
 def test_every_private_entry_the_trainer_relies_on_exists(dotted):
     assert exists(dotted), (f"{dotted} is gone from the installed {dotted.split('.')[0]}; SearchR1Trainer uses it "
-                            f"(searchr1_trl/trainer.py's docstring says how): port that use, then update the list")
+                            "(searchr1_trl/training/trainer.py's docstring says how): port that use, then update "
+                            "the list")

@@ -1,4 +1,5 @@
-"""The policy update's throughput levers (searchr1_trl/update.py) compute the baseline's loss and gradients and keep
+"""The policy update's throughput levers (searchr1_trl/training/update.py) compute the baseline's loss and gradients
+and keep
 tool tokens out of the loss."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from searchr1_trl.trainer import SearchR1Config, SearchR1Trainer
-from searchr1_trl.update import compile_decoder_layers, pack_rows, with_fp32_master_weights
+from searchr1_trl.training.trainer import SearchR1Config, SearchR1Trainer
+from searchr1_trl.training.update import compile_decoder_layers, pack_rows, with_fp32_master_weights
 
 
 def update_config(tmp_path, questions_file, **overrides) -> SearchR1Config:

@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from searchr1_trl.vllm_server import collective_rpc
+from searchr1_trl.serving.vllm_server import collective_rpc
 
 
 def test_server_generates_from_token_ids_with_logprobs(vllm_server, tokenizer, offline_assets):
@@ -30,7 +30,7 @@ def test_starting_a_server_on_a_port_another_server_answers_on_fails_before_laun
     """Seen on an H200: the new vLLM could not bind, the old one answered /health, the job trained against it."""
     from conftest import serve_health
 
-    from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+    from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
 
     other = serve_health()
     server = VLLMServer(VLLMServerConfig(model="unused", port=other.server_port))

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks import zero3_update
 from benchmarks.probes.tied_head_reload import servable_tiny_qwen2
-from searchr1_trl.processes import free_port
-from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+from searchr1_trl.serving.processes import free_port
+from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

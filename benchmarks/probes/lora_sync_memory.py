@@ -1,7 +1,7 @@
 """The trainer's peak memory while it writes merged LoRA weights for the generator (the ``reload`` weight sync).
 
 Each variant runs in its own process: load the offline model in float32 with the CPU recipe's LoRA adapter, then
-write the merged weights to a folder under ``/dev/shm`` as ``searchr1_trl.weight_sync.ReloadPush`` does, and
+write the merged weights to a folder under ``/dev/shm`` as ``searchr1_trl.serving.weight_sync.ReloadPush`` does, and
 report the process's resident memory before the write and its peak during the write (``VmHWM``, reset after loading
 through ``/proc/self/clear_refs``, so the loading peak does not count):
 
@@ -40,8 +40,8 @@ def one(variant: str) -> dict:
     from transformers import AutoModelForCausalLM
     from trl import get_peft_config
 
-    from searchr1_trl.recipe import load_recipe
-    from searchr1_trl.weight_sync import _merged_peft_state_dict
+    from searchr1_trl.serving.weight_sync import _merged_peft_state_dict
+    from searchr1_trl.training.recipe import load_recipe
 
     _, model_args = load_recipe(["--config", "offline"])
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=torch.float32),

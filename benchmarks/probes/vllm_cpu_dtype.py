@@ -13,8 +13,8 @@ import time
 
 import httpx
 
-from searchr1_trl.assets import require
-from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+from searchr1_trl.assets.offline import require
+from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
 
 
 def main(dtypes: list[str]) -> None:

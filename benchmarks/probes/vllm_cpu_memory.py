@@ -25,8 +25,8 @@ import psutil
 
 from benchmarks.main_job import GIB, smaps_rollup
 from benchmarks.report import report
-from searchr1_trl.assets import prepare
-from searchr1_trl.vllm_server import VLLMServer, VLLMServerConfig
+from searchr1_trl.assets.offline import prepare
+from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
 
 
 @dataclass

@@ -4,7 +4,8 @@
     searchr1-ask --checkpoint <folder or Hub id>                   # interactive: one question per line, Ctrl-D ends
     searchr1-ask --checkpoint <...> --question "..." --json        # one JSON object per question, for scripts
 
-The rollout is the evaluation's (searchr1_trl/evaluation.py): greedy, the ``agent`` method by default, against a
+The rollout is the evaluation's (searchr1_trl/training/evaluation.py): greedy, the ``agent`` method by default, against
+a
 running retriever (``--search_url``) and a generator (``--generator vllm`` with a ``trl vllm-serve`` serving the
 checkpoint, or ``transformers`` in-process). Use the env and rollout settings the checkpoint was trained with
 (``--restate_question``, ``--bare_json_tool_calls``, ``--max_turns``, ``--topk``).
@@ -19,10 +20,10 @@ import logging
 import sys
 from dataclasses import asdict, dataclass, field
 
-from searchr1_trl import evaluation
 from searchr1_trl.cli.eval import PolicyConfig
-from searchr1_trl.recipe import part_config
-from searchr1_trl.search_r1.data import SearchR1Sample
+from searchr1_trl.tasks.search_r1.data import SearchR1Sample
+from searchr1_trl.training import evaluation
+from searchr1_trl.training.recipe import part_config
 
 
 @dataclass
@@ -90,7 +91,7 @@ def _stdin_questions():
 
 
 def main(argv: list[str] | None = None) -> None:
-    from searchr1_trl.recipe import RecipeParser
+    from searchr1_trl.training.recipe import RecipeParser
 
     parser = RecipeParser((AskConfig, PolicyConfig), description=__doc__,
                           formatter_class=_HelpFormatter, prog="searchr1-ask")

@@ -6,7 +6,8 @@
         --output_dir runs/eval
     searchr1-eval --config eval.yaml --num_samples 32     # every field from a YAML, the command line overrides
 
-Methods (searchr1_trl/evaluation.py): ``direct`` answers closed-book, ``rag`` reads the top-k passages for the question
+Methods (searchr1_trl/training/evaluation.py): ``direct`` answers closed-book, ``rag`` reads the top-k passages for the
+question
 pasted into its prompt (one turn), ``agent`` is the multi-turn search rollout the policy is trained on; all greedy,
 with the same retriever, top-k and budgets. The env and rollout flags are the training recipe's (same names and
 defaults): give the agent the values it was trained with (the offline recipes: ``--restate_question true
@@ -46,10 +47,10 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from searchr1_trl import evaluation
-from searchr1_trl.recipe import knob_fields, part_config
-from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
-from searchr1_trl.search_r1.retrieval import check_retriever
+from searchr1_trl.tasks.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
+from searchr1_trl.tasks.search_r1.retrieval import check_retriever
+from searchr1_trl.training import evaluation
+from searchr1_trl.training.recipe import knob_fields, part_config
 
 # The recipe's env, rollout and per-turn fields, with its names, defaults and help: the agent runs as it trained.
 PolicyConfig = knob_fields("PolicyConfig", ("env", "rollout", "sampling"))
@@ -355,7 +356,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 
 def main(argv: list[str] | None = None) -> None:
-    from searchr1_trl.recipe import RecipeParser
+    from searchr1_trl.training.recipe import RecipeParser
 
     parser = RecipeParser((EvalConfig, PolicyConfig), description=__doc__,
                           formatter_class=_HelpFormatter, prog="searchr1-eval")

@@ -16,8 +16,8 @@ import logging
 import sys
 from pathlib import Path
 
-from searchr1_trl.plan import PlanError, check_machine, validate_plan
-from searchr1_trl.recipe import load_recipe, recipe_path, recipe_values
+from searchr1_trl.training.plan import PlanError, check_machine, validate_plan
+from searchr1_trl.training.recipe import load_recipe, recipe_path, recipe_values
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +50,9 @@ def train(args, model_args) -> None:
     push to the Hub when asked."""
     from trl import get_peft_config
 
-    from searchr1_trl.recipe import build_task
-    from searchr1_trl.trainer import SearchOutage, SearchR1Trainer
-    from searchr1_trl.warm_start import warm_start
+    from searchr1_trl.training.recipe import build_task
+    from searchr1_trl.training.trainer import SearchOutage, SearchR1Trainer
+    from searchr1_trl.training.warm_start import warm_start
 
     args.model_init_kwargs = {
         **(args.model_init_kwargs or {}),

@@ -26,7 +26,7 @@ import pandas as pd
 if TYPE_CHECKING:
     from trl import GRPOConfig
 
-    from searchr1_trl.search_r1.env import SearchR1EnvFactory
+    from searchr1_trl.tasks.search_r1.env import SearchR1EnvFactory
 
 REQUIRED_COLUMNS = ("question", "golden_answers")
 

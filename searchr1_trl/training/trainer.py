@@ -1,42 +1,46 @@
 """SearchR1Trainer: TRL's GRPOTrainer with the Search-R1 question stream, multi-turn rollouts and EM rubric plugged in.
 
 What this subclass decides, and nothing more:
-- **Questions** come from the endless, seeded :class:`~searchr1_trl.search_r1.data.SearchR1Dataset`, drawn one
-  optimizer step at a time (:class:`~searchr1_trl.search_r1.data.QuestionBatches`), not a sampler over a map-style
+- **Questions** come from the endless, seeded :class:`~searchr1_trl.tasks.search_r1.data.SearchR1Dataset`, drawn one
+  optimizer step at a time (:class:`~searchr1_trl.tasks.search_r1.data.QuestionBatches`), not a sampler over a map-style
   dataset, so a resumed run continues the exact question sequence (its state is saved in every checkpoint next to the
   optimizer's).
 - **A checkpoint is complete or ignored**: the stream state is written (atomically) first, a
   :data:`CHECKPOINT_COMPLETE_FILE` marker last, and older checkpoints are rotated away only after the marker, so a
   kill at any moment leaves a complete checkpoint; ``resume_from_checkpoint=True`` takes the newest complete one.
 - **Rollouts** go through TRL's ``rollout_func`` hook: the generic :class:`~searchr1_trl.engine.rollout.RolloutEngine`
-  drives one :class:`~searchr1_trl.search_r1.env.SearchR1Env` per rollout, built for that row's sample; the returned
+  drives one :class:`~searchr1_trl.tasks.search_r1.env.SearchR1Env` per rollout, built for that row's sample; the
+  returned
   ``env_mask`` keeps tool tokens out of the loss.
-- **Rewards** are the :class:`~searchr1_trl.search_r1.rubric.Rubric`, a plain TRL reward function that scores each
+- **Rewards** are the :class:`~searchr1_trl.tasks.search_r1.rubric.Rubric`, a plain TRL reward function that scores each
   rollout (handed on by ``rollout_func``) from its own sample.
 - **Generator weights** are pushed once per optimizer step, before its rollouts or a validation, by the
-  :mod:`searchr1_trl.weight_sync` push the recipe names (TRL's NCCL path, a safetensors folder the vLLM server
+  :mod:`searchr1_trl.serving.weight_sync` push the recipe names (TRL's NCCL path, a safetensors folder the vLLM server
   reloads, or CUDA IPC to a server on the same GPU). The in-process generator (``generator="transformers"``) uses
   the live model, no sync.
 - **Validation** is greedy rollouts over a fixed held-out slice, logged as EM overall and per data source.
-- **Asynchronous rollouts** (``async_rollouts``, off by default; :mod:`searchr1_trl.async_rollouts`): the next
+- **Asynchronous rollouts** (``async_rollouts``, off by default;
+:mod:`searchr1_trl.training.experimental.async_rollouts`): the next
   ``max_staleness`` steps' rollouts generate on the rollout loop, run in a background thread, while the trainer
   updates; each is tagged with its policy version, bounded in staleness and weighted by ``pi_current / pi_behaviour``;
   with ``max_behaviour_kl`` a step the policy has moved too far from is skipped
-  (:class:`~searchr1_trl.callbacks.DivergentStepGuard`).
-- **Three throughput levers of the policy update** (:mod:`searchr1_trl.update`, all off by default):
+  (:class:`~searchr1_trl.training.callbacks.DivergentStepGuard`).
+- **Three throughput levers of the policy update** (:mod:`searchr1_trl.training.update`, all off by default):
   ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer), ``padding_free`` (rollouts packed without
   padding for the log-prob forward) and ``compile_layers`` (each decoder layer ``torch.compile``-d in place); the
   loss, tool tokens masked, is TRL's either way.
-- **The saved model is the best validated one** (:class:`~searchr1_trl.callbacks.CollapseGuard`): a collapse stops
+- **The saved model is the best validated one** (:class:`~searchr1_trl.training.callbacks.CollapseGuard`): a collapse
+stops
   training and it ends on the best checkpoint by validation EM, step 0 included; ``report_num_samples`` questions
   disjoint from the validation sample are evaluated beside it, as the figure to report.
 - **DAPO's dynamic sampling** (``drop_equal_reward_groups``): groups without reward spread leave the loss.
 - **An optimizer step with NaN/inf gradients is skipped**, not applied
-  (:class:`~searchr1_trl.callbacks.NonFiniteGradientGuard`).
+  (:class:`~searchr1_trl.training.callbacks.NonFiniteGradientGuard`).
 - **Connections are closed**: the event loop rollouts run on, the generator's and the retriever's pooled clients are
   opened by ``train()`` (or a standalone ``evaluate()``) and closed when it returns, also on an error.
 
-The recipe (:class:`~searchr1_trl.recipe.SearchR1Config`) and the parts it builds live in :mod:`searchr1_trl.recipe`.
+The recipe (:class:`~searchr1_trl.training.recipe.SearchR1Config`) and the parts it builds live in
+:mod:`searchr1_trl.training.recipe`.
 
 The private surface of TRL 1.16.0 and transformers 5.24.0 this module relies on (``tests/test_trl_surface.py``
 fails, naming the entry, when the installed versions are not the pinned ones or an entry is gone):
@@ -80,13 +84,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
-from searchr1_trl import async_rollouts, evaluation
-from searchr1_trl.callbacks import CollapseGuard, DivergentStepGuard, NonFiniteGradientGuard
 from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
-from searchr1_trl.recipe import SearchR1Config, SearchR1Task, build_task, part_config
-from searchr1_trl.search_r1.data import QuestionBatches, SearchR1Sample, training_row
-from searchr1_trl.update import compile_decoder_layers, loss_mask, packed_forward, with_fp32_master_weights
-from searchr1_trl.weight_sync import PausedPush, ReloadPush, warn_stale_tied_head, weight_push
+from searchr1_trl.serving.weight_sync import PausedPush, ReloadPush, warn_stale_tied_head, weight_push
+from searchr1_trl.tasks.search_r1.data import QuestionBatches, SearchR1Sample, training_row
+from searchr1_trl.training import evaluation
+from searchr1_trl.training.callbacks import CollapseGuard, DivergentStepGuard, NonFiniteGradientGuard
+from searchr1_trl.training.experimental import async_rollouts
+from searchr1_trl.training.recipe import SearchR1Config, SearchR1Task, build_task, part_config
+from searchr1_trl.training.update import compile_decoder_layers, loss_mask, packed_forward, with_fp32_master_weights
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +106,8 @@ CHECKPOINT_COMPLETE_FILE = "searchr1_checkpoint_complete"  # written last: the c
 class SearchR1Trainer(GRPOTrainer):
     """GRPO on multi-turn search rollouts.
 
-    The task's parts come from ``args`` through :func:`~searchr1_trl.recipe.build_task` unless ``task`` is passed;
+    The task's parts come from ``args`` through :func:`~searchr1_trl.training.recipe.build_task` unless ``task`` is
+    passed;
     ``reward_funcs`` defaults to the task's rubric (pass it with extra TRL reward functions to add them).
     """
 
@@ -205,7 +211,8 @@ class SearchR1Trainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
         # Extends GRPOTrainer._get_per_token_logps_and_entropies (TRL 1.16): with padding_free, each chunk of rows is
-        # packed (searchr1_trl.update.packed_forward); the fused LM head and what it returns are TRL's. Called from
+        # packed (searchr1_trl.training.update.packed_forward); the fused LM head and what it returns are TRL's. Called
+        # from
         # _compute_loss it scores the loss's positions only, and hands its log-probs to the weighted KL (above).
         if self.args.padding_free:
             result = self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, batch_size,
@@ -286,8 +293,10 @@ class SearchR1Trainer(GRPOTrainer):
 
     def _weight_stale_rollouts(self, output: dict) -> dict:
         """With async_rollouts, the advantages weighted by pi_current / pi_behaviour where TRL did not weight the loss
-        (:func:`~searchr1_trl.async_rollouts.weight_by_behaviour`): now from TRL's current-weights log-probs, or in
-        the loss from its forward's where TRL computed none (:class:`~searchr1_trl.async_rollouts.InLossWeights`)."""
+        (:func:`~searchr1_trl.training.experimental.async_rollouts.weight_by_behaviour`): now from TRL's
+        current-weights log-probs, or in
+        the loss from its forward's where TRL computed none
+        (:class:`~searchr1_trl.training.experimental.async_rollouts.InLossWeights`)."""
         if not self.args.vllm_importance_sampling_correction:
             return output
         proximal = output.get("old_per_token_logps")
@@ -451,7 +460,8 @@ class SearchR1Trainer(GRPOTrainer):
     # ---- validation --------------------------------------------------------------------------------------------
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """The ``agent`` method of :mod:`searchr1_trl.evaluation` over the validation slice and, beside it in the same
+        """The ``agent`` method of :mod:`searchr1_trl.training.evaluation` over the validation slice and, beside it in
+        the same
         pass, the report slice: greedy rollouts, EM overall and per data source, searches and turns per rollout,
         status fractions and what the search policy learned, as ``<prefix>_*`` and ``report_*`` via the trainer's log.
         Training's step-0 validation is saved as a best-checkpoint candidate when the collapse guard is on."""

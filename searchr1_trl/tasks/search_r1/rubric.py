@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from searchr1_trl.engine.rollout import RolloutStatus
-from searchr1_trl.search_r1.env import SEARCH_TOOL_NAME
+from searchr1_trl.tasks.search_r1.env import SEARCH_TOOL_NAME
 
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

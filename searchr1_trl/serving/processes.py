@@ -2,7 +2,8 @@
 
 A server started for a job (vLLM, whose engine runs in processes of its own) must not outlive the job: when the job
 is killed (the OOM killer, a scheduler, Ctrl-C), 8 GB of orphaned servers stayed behind. :func:`owned_popen` starts
-a command under a tiny reaper (``python -m searchr1_trl.processes <command>``) in a new process group; the kernel
+a command under a tiny reaper (``python -m searchr1_trl.serving.processes <command>``) in a new process group; the
+kernel
 sends the reaper SIGTERM when its parent dies (``PR_SET_PDEATHSIG``; strictly, when the thread that started it
 ends: start servers from a thread that lives as long as they should), and the reaper then stops the whole group:
 SIGTERM, and SIGKILL to whatever is left after ``REAP_GRACE_S``. The reaper also stops the group when the command
@@ -46,7 +47,7 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 def owned_popen(command: list[str], **kwargs) -> subprocess.Popen:
     """``subprocess.Popen(command)`` whose process group dies with this process; the returned process is the
     reaper, leader of that group (``os.killpg(p.pid, SIGTERM)`` stops it all)."""
-    return subprocess.Popen([sys.executable, "-m", "searchr1_trl.processes", *command], start_new_session=True,
+    return subprocess.Popen([sys.executable, "-m", "searchr1_trl.serving.processes", *command], start_new_session=True,
                             preexec_fn=die_with_parent, **kwargs)
 
 

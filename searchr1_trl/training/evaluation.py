@@ -3,7 +3,7 @@
 One definition and one path, shared by the trainer's validation (:meth:`SearchR1Trainer.evaluate`) and
 ``searchr1-eval``:
 
-- **EM** is :meth:`~searchr1_trl.search_r1.rubric.RewardExactMatch.correct`: the SQuAD-normalised final answer is
+- **EM** is :meth:`~searchr1_trl.tasks.search_r1.rubric.RewardExactMatch.correct`: the SQuAD-normalised final answer is
   one of the normalised golden answers. It is the rubric's plain EM, without the training reward's levers.
 - **Rollouts** go through the :class:`~searchr1_trl.engine.rollout.RolloutEngine` with the recipe's budgets, greedy
   (:func:`greedy_params`), as many at once as the generator takes; each finished one is handed to ``on_trace`` at
@@ -14,8 +14,8 @@ Three methods, as in the paper's table (:data:`METHODS`); they differ only in th
 - ``direct``: closed-book. The question and the answer format (:data:`DIRECT_INSTRUCTION`), no tool, one turn.
 - ``rag``: retrieve-then-read. The top-k passages for the question, from the same retriever with the same top-k as
   the agent, pasted into the prompt and followed by the answer format and the question
-  (:data:`~searchr1_trl.search_r1.env.RESTATEMENT`), no tool, one turn.
-- ``agent``: the Search-R1 rollout the policy is trained on (:class:`~searchr1_trl.search_r1.env.SearchR1Env`).
+  (:data:`~searchr1_trl.tasks.search_r1.env.RESTATEMENT`), no tool, one turn.
+- ``agent``: the Search-R1 rollout the policy is trained on (:class:`~searchr1_trl.tasks.search_r1.env.SearchR1Env`).
 
 A :class:`Trace` is one question's record: the answer, EM, each search (query and passage titles; for ``rag`` the
 one retrieval in the prompt), turns, how the rollout ended and the whole conversation. :func:`summarize` turns
@@ -41,15 +41,15 @@ from searchr1_trl.engine.generation import (
     end_token_ids,
 )
 from searchr1_trl.engine.rollout import EnvFactory, EnvStep, MessageEnv, RolloutConfig, RolloutEngine, RolloutStatus
-from searchr1_trl.search_r1.env import (
+from searchr1_trl.tasks.search_r1.env import (
     QUESTION_SEPARATOR,
     RESTATEMENT,
     SearchR1EnvConfig,
     SearchR1EnvFactory,
     _query_from_arguments,
 )
-from searchr1_trl.search_r1.retrieval import RetrievalClient
-from searchr1_trl.search_r1.rubric import (
+from searchr1_trl.tasks.search_r1.retrieval import RetrievalClient
+from searchr1_trl.tasks.search_r1.rubric import (
     RewardExactMatch,
     final_answer,
     normalize_answer,

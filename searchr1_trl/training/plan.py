@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 
-from searchr1_trl.search_r1.data import load_samples
-from searchr1_trl.search_r1.retrieval import check_retriever
-from searchr1_trl.shapes import PUBLISHED_CONFIGS
-from searchr1_trl.weight_sync import check_sync_folder_is_ours, reload_folder
+from searchr1_trl.assets.shapes import PUBLISHED_CONFIGS
+from searchr1_trl.serving.weight_sync import check_sync_folder_is_ours, reload_folder
+from searchr1_trl.tasks.search_r1.data import load_samples
+from searchr1_trl.tasks.search_r1.retrieval import check_retriever
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ def _server_answers(url: str, wait_s: float = 0.0) -> bool:
 
 
 def check_machine(recipe: str, values: dict) -> None:
-    """Raise :class:`PlanError` when the recipe's ``values`` (:func:`~searchr1_trl.recipe.recipe_values`: YAML +
+    """Raise :class:`PlanError` when the recipe's ``values`` (:func:`~searchr1_trl.training.recipe.recipe_values`: YAML
+    +
     command line, typed, not yet a config) need CUDA and this machine has none, naming what is needed and what to run
     instead.
 

@@ -11,7 +11,7 @@ no-op. Users with a network never need this module: they pass Hub names (``Qwen/
 
 Both policy models go through one build (:func:`prepare_model` over a :class:`GGUFModel`): the 0.5B is the offline
 default; its 1.5B sibling is built only when asked, or when its GGUF already waits in the cache's ``gguf/`` folder (a
-GPU bundle made with ``BUNDLE_SIBLING=1`` puts it there for ``python3 -m searchr1_trl.assets``).
+GPU bundle made with ``BUNDLE_SIBLING=1`` puts it there for ``python3 -m searchr1_trl.assets.offline``).
 """
 
 from __future__ import annotations

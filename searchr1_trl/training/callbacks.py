@@ -169,7 +169,8 @@ class NonFiniteGradientGuard(TrainerCallback):
 
 class DivergentStepGuard(TrainerCallback):
     """Skips the optimizer step of an asynchronous step whose rollouts the policy has moved too far from
-    (``max_behaviour_kl``; :mod:`searchr1_trl.async_rollouts` says why). The trainer hands it each step's behaviour gap,
+    (``max_behaviour_kl``; :mod:`searchr1_trl.training.experimental.async_rollouts` says why). The trainer hands it
+    each step's behaviour gap,
     averaged over processes so every replica skips alike; skipped steps are logged as ``async/skipped_divergent``.
 
     A skip keeps the weights, so after ``max_staleness`` skips in a row every rollout in flight was sampled by the

@@ -24,16 +24,16 @@ from pathlib import Path
 
 from searchr1_trl.engine.generation import Generation, Generator, SamplingParams, end_token_ids
 from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
-from searchr1_trl.search_r1.data import SearchR1Dataset
-from searchr1_trl.search_r1.env import SEARCH_TOOL_NAME
-from searchr1_trl.search_r1.rubric import (
+from searchr1_trl.serving.vllm_server import reload_weights
+from searchr1_trl.tasks.search_r1.data import SearchR1Dataset
+from searchr1_trl.tasks.search_r1.env import SEARCH_TOOL_NAME
+from searchr1_trl.tasks.search_r1.rubric import (
     normalize_answer,
     passages_hold_gold,
     retrieval_surfaced_gold,
     search_results,
 )
-from searchr1_trl.update import with_fp32_master_weights
-from searchr1_trl.vllm_server import reload_weights
+from searchr1_trl.training.update import with_fp32_master_weights
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,8 @@ def scripted_warm_start_traces(args, model_path: str, tokenizer, task) -> tuple[
 
 def warm_start(args, model_args, task) -> str:
     """Write the traces, fine-tune the recipe's model on them, save it; the folder GRPO starts from. ``task`` is the
-    recipe's :class:`~searchr1_trl.recipe.SearchR1Task` (its environment, budgets, question stream and warm-start
+    recipe's :class:`~searchr1_trl.training.recipe.SearchR1Task` (its environment, budgets, question stream and
+    warm-start
     config)."""
     from datasets import Dataset
     from transformers import AutoTokenizer

@@ -12,7 +12,7 @@ search skips the passages its rollout was already shown, so searching again read
 
 Each rollout has its own :class:`SearchR1Env`, which holds its sample (the restatement reads the question from it,
 not from the prompt); :class:`SearchR1EnvFactory` builds them around what they share: one pooled, batching,
-retrying :class:`~searchr1_trl.search_r1.retrieval.RetrievalClient` and the counters. A search the retriever did
+retrying :class:`~searchr1_trl.tasks.search_r1.retrieval.RetrievalClient` and the counters. A search the retriever did
 not answer, all retries spent, is an outage, not "no hits": when every search of a step failed the step says so
 (``EnvStep.tool_failed``) and the rollout ends as ``error_tool``, out of the loss; a failed search beside answered
 ones gets an empty result. Both are counted in :meth:`SearchR1EnvFactory.metrics`.
@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from searchr1_trl.engine.rollout import EnvFactory, EnvStep, MessageEnv
-from searchr1_trl.search_r1.retrieval import RetrievalClient, RetrievalConfig, is_text, passages_text, valid_text
+from searchr1_trl.tasks.search_r1.retrieval import RetrievalClient, RetrievalConfig, is_text, passages_text, valid_text
 
 SEARCH_TOOL_NAME = "search"
 

@@ -5,18 +5,19 @@ overrides: TRL's ``GRPOConfig`` with the seed recipe's defaults (DAPO loss with 
 KL and no reference model, group std-normalised advantages, AdamW at lr 1e-6 with 2 warmup steps then constant,
 8 prompts x 8 generations per optimizer step, temperature 1.0, top_p 1.0, 512 tokens per turn), plus one flat field
 per knob of the task's parts. A flat field is declared with :func:`knob`, which takes its default and help text from
-the part's own config (``search_timeout_s`` is :class:`~searchr1_trl.search_r1.env.SearchR1EnvConfig`'s
+the part's own config (``search_timeout_s`` is :class:`~searchr1_trl.tasks.search_r1.env.SearchR1EnvConfig`'s
 ``timeout_s``), so every default is written once, beside the code it configures, and :data:`KNOBS` says which part
 each flat field sets.
 :func:`build_task` is the only place that turns the flat config into parts (torchtitan's ``rollouter.py`` is the
 model): the question streams, the environment, the rollout budgets, the sampling of training turns, the rubric and
 the generator.
 
-Fields of ``GRPOConfig`` that :class:`~searchr1_trl.trainer.SearchR1Trainer` must set itself (:data:`TRAINER_OWNED`)
+Fields of ``GRPOConfig`` that :class:`~searchr1_trl.training.trainer.SearchR1Trainer` must set itself
+(:data:`TRAINER_OWNED`)
 are left unset by a recipe; a recipe that sets one to another value than the trainer needs is refused with an
 error naming the field to set instead, never silently overwritten.
 
-Offline asset paths are written ``${SEARCHR1_CACHE}/...`` in recipes; :func:`~searchr1_trl.assets.resolve_path`
+Offline asset paths are written ``${SEARCHR1_CACHE}/...`` in recipes; :func:`~searchr1_trl.assets.offline.resolve_path`
 turns them into paths on this machine when the recipe is loaded.
 """
 
@@ -33,9 +34,7 @@ from typing import Any
 
 from trl import GRPOConfig, ModelConfig, TrlParser
 
-from searchr1_trl.assets import resolve_path
-from searchr1_trl.async_rollouts import IMPORTANCE_SAMPLING_MODES, AsyncRolloutsConfig
-from searchr1_trl.callbacks import CollapseGuardConfig
+from searchr1_trl.assets.offline import resolve_path
 from searchr1_trl.engine.generation import (
     Generator,
     SamplingParams,
@@ -47,10 +46,12 @@ from searchr1_trl.engine.generation import (
     resolve_generator,
 )
 from searchr1_trl.engine.rollout import RolloutConfig
-from searchr1_trl.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
-from searchr1_trl.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
-from searchr1_trl.search_r1.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
-from searchr1_trl.warm_start import WarmStartConfig
+from searchr1_trl.tasks.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
+from searchr1_trl.tasks.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
+from searchr1_trl.tasks.search_r1.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
+from searchr1_trl.training.callbacks import CollapseGuardConfig
+from searchr1_trl.training.experimental.async_rollouts import IMPORTANCE_SAMPLING_MODES, AsyncRolloutsConfig
+from searchr1_trl.training.warm_start import WarmStartConfig
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,8 @@ logger = logging.getLogger(__name__)
 def _recipes_dir() -> Path:
     """Where the shipped recipes are: ``searchr1_trl/recipes`` in an installed wheel (pyproject.toml maps
     ``configs/`` there), ``configs/`` in a repository checkout."""
-    packaged = Path(__file__).resolve().parent / "recipes"
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent / "configs"
+    packaged = Path(__file__).resolve().parent.parent / "recipes"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "configs"
 
 
 CONFIGS = _recipes_dir()
@@ -124,7 +125,7 @@ class SearchR1Config(GRPOConfig):
     save_total_limit: int | None = field(default=3, metadata={"help": "Checkpoints kept on disk."})
     logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
 
-    # --- policy-update throughput (searchr1_trl/update.py); TRL's own: optim, bf16 ---
+    # --- policy-update throughput (searchr1_trl/training/update.py); TRL's own: optim, bf16 ---
     fp32_master_weights: bool = field(
         default=False,
         metadata={"help": "With a model loaded in bfloat16 (dtype: bfloat16): the optimizer keeps fp32 copies of the "
@@ -146,8 +147,8 @@ class SearchR1Config(GRPOConfig):
     compile_layers: bool = field(
         default=False,
         metadata={"help": "torch.compile each decoder layer (the policy's and the reference's) in place, for any "
-                          "rollout length (searchr1_trl/update.py): same loss, the first step compiles. H200, seq "
-                          "2048: update MFU 0.38 -> 0.58 (Qwen3-1.7B), "
+                          "rollout length (searchr1_trl/training/update.py): same loss, the first step compiles. "
+                          "H200, seq 2048: update MFU 0.38 -> 0.58 (Qwen3-1.7B), "
                           "0.55 -> 0.69 (8B), one GPU without DeepSpeed. Refused under ZeRO-3, whose parameter hooks "
                           "it would recompile around until it falls back to eager."},
     )
@@ -236,7 +237,7 @@ class SearchR1Config(GRPOConfig):
     exact_match_weight: float = knob("exact_match", "weight")
     truncation_reward: float = knob("rubric", "truncation_reward")
 
-    # --- supervised warm start (searchr1_trl/warm_start.py) ---
+    # --- supervised warm start (searchr1_trl/training/warm_start.py) ---
     warm_start_traces: int = knob("warm_start", "num_traces")
     warm_start_second_search: bool = knob("warm_start", "second_search")
     warm_start_second_search_repeats: int = knob("warm_start", "second_search_repeats")
@@ -245,13 +246,13 @@ class SearchR1Config(GRPOConfig):
     warm_start_epochs: float = knob("warm_start", "epochs")
     warm_start_batch_size: int = knob("warm_start", "batch_size")
 
-    # --- collapse guard (searchr1_trl/callbacks.py) ---
+    # --- collapse guard (searchr1_trl/training/callbacks.py) ---
     collapse_guard: bool = knob("collapse_guard", "enabled")
     collapse_em_drop: float = knob("collapse_guard", "em_drop")
     collapse_searches_drop: float = knob("collapse_guard", "searches_drop")
     collapse_entropy_drop: float = knob("collapse_guard", "entropy_drop")
 
-    # --- asynchronous rollouts (searchr1_trl/async_rollouts.py) ---
+    # --- asynchronous rollouts (searchr1_trl/training/experimental/async_rollouts.py) ---
     async_rollouts: bool = knob("async_rollouts", "enabled")
     max_staleness: int = knob("async_rollouts", "max_staleness")
     in_flight_rollouts: str = knob("async_rollouts", "in_flight")
@@ -267,7 +268,7 @@ class SearchR1Config(GRPOConfig):
         default="reload",
         metadata={"help": "`reload`: save safetensors, server reloads them (no CUDA needed); `nccl`: TRL's NCCL path "
                           "(server on other GPUs); `ipc`: CUDA IPC handles to a server on the trainer's own GPU, "
-                          "started with --worker-extension-cls searchr1_trl.weight_sync.IpcWeightLoader."},
+                          "started with --worker-extension-cls searchr1_trl.serving.weight_sync.IpcWeightLoader."},
     )
     weight_sync_dir: str | None = field(default=None, metadata={"help": "Folder for `reload` (shared with server)."})
     weight_sync_dtype: str | None = field(

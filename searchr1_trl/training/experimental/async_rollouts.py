@@ -9,7 +9,8 @@ Off by default (``async_rollouts``). What this module decides:
 - **Rollouts in flight at a weight push** (``in_flight_rollouts``): ``finish`` (default) waits for them
   (:meth:`RolloutPipeline.drain`): they end on the old weights and keep the old tag, at the cost of the wait.
   ``pause`` freezes them on the vLLM server for the push (its ``/pause?mode=keep``,
-  :class:`~searchr1_trl.weight_sync.PausedPush`) and lets them go on with the new weights: no wait, and their later
+  :class:`~searchr1_trl.serving.weight_sync.PausedPush`) and lets them go on with the new weights: no wait, and their
+  later
   tokens are one version newer than their tag. The tag stays the launch version (staleness is counted from the
   oldest weights a rollout saw, so the bound still holds), and the importance weight below uses each token's own
   behaviour log-prob, which vLLM reports from the weights that sampled it: the correction is exact either way.
@@ -47,7 +48,7 @@ Off by default (``async_rollouts``). What this module decides:
   within 0.02 EM of lock-step (docs/results/README.md, "The remedy, three seeds").
 - **A bound on how far the policy moved** (``max_behaviour_kl``, off by default): a step whose rollouts' mean gap
   ``log pi_behaviour - log pi_current`` exceeds it in size (the policy moved far, either way) keeps its weights: the
-  optimizer step is skipped (:class:`~searchr1_trl.callbacks.DivergentStepGuard`). With ``max_staleness`` 1 the
+  optimizer step is skipped (:class:`~searchr1_trl.training.callbacks.DivergentStepGuard`). With ``max_staleness`` 1 the
   rollouts then in flight were sampled by exactly those weights, so the next step is on-policy, as lock-step's every
   step is (with more, after that many skips; a gap over the bound then stops training: the push is broken). Why:
   where a policy tips over its tool-call format in one update, lock-step corrects it at the next step from the tipped
@@ -88,7 +89,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from searchr1_trl.update import loss_mask
+from searchr1_trl.training.update import loss_mask
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ the same method, chosen in :func:`weight_push`:
 - :class:`NcclPush` (``weight_sync="nccl"``, CUDA clusters): TRL's ``VLLMGeneration.sync_weights``, which broadcasts
   every parameter to the server's workers (ZeRO-3 gathered and PEFT merged by TRL).
 - :class:`ReloadPush` (``weight_sync="reload"``, works without CUDA): the policy saved as safetensors to a folder the
-  server reloads in place (:func:`~searchr1_trl.vllm_server.reload_weights`), then deleted (on tmpfs it is memory).
+  server reloads in place (:func:`~searchr1_trl.serving.vllm_server.reload_weights`), then deleted (on tmpfs it is
+  memory).
   With PEFT only the decoder layers it trains are written, adapters merged in (:func:`save_for_reload`).
 - :class:`IpcPush` (``weight_sync="ipc"``, a vLLM server on the trainer's own GPU): CUDA IPC handles of the policy's
   weights, cast to the server's dtype on the GPU, opened in place by the server's workers (:class:`IpcWeightLoader`,
@@ -43,7 +44,7 @@ from typing import Protocol
 
 import torch
 
-from searchr1_trl.vllm_server import (
+from searchr1_trl.serving.vllm_server import (
     collective_rpc,
     cpu_build,
     pause_generation,
@@ -55,7 +56,7 @@ from searchr1_trl.vllm_server import (
 logger = logging.getLogger(__name__)
 
 WEIGHT_SYNC_MARKER = ".searchr1_weight_sync"  # in every weight-sync folder a push writes
-IPC_WORKER_EXTENSION = "searchr1_trl.weight_sync.IpcWeightLoader"  # the server's --worker-extension-cls for ipc
+IPC_WORKER_EXTENSION = "searchr1_trl.serving.weight_sync.IpcWeightLoader"  # the server's --worker-extension-cls for ipc
 
 
 class WeightPush(Protocol):
@@ -137,7 +138,8 @@ def ipc_payload(tensors: dict[str, torch.Tensor]) -> str:
 
 
 class IpcWeightLoader:
-    """A vLLM worker extension (``--worker-extension-cls searchr1_trl.weight_sync.IpcWeightLoader``): loads weights
+    """A vLLM worker extension (``--worker-extension-cls searchr1_trl.serving.weight_sync.IpcWeightLoader``): loads
+    weights
     an :class:`IpcPush` shares through CUDA IPC. Errors come back as ``{"error": ...}`` (the pusher raises them) so a
     bad push never takes the engine down with it."""
 
@@ -227,7 +229,7 @@ def save_for_reload(model: torch.nn.Module, state_dict: dict | None, folder: Pat
         if dtype is not None:
             state_dict = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    (tmp / WEIGHT_SYNC_MARKER).write_text("written by searchr1_trl.weight_sync.save_for_reload\n")
+    (tmp / WEIGHT_SYNC_MARKER).write_text("written by searchr1_trl.serving.weight_sync.save_for_reload\n")
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
 
