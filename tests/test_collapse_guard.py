@@ -1,5 +1,6 @@
-"""The collapse guard: a scripted collapse stops training, which ends on the best validated checkpoint (step 0
-included); training-side signals ask for a validation; dynamic sampling drops groups without reward spread."""
+"""The collapse guard: a scripted collapse stops training, which ends on the newest validated checkpoint within noise
+of the best (step 0 included); without a collapse it keeps the last step unless an earlier one beats it by more than
+the noise; training-side signals ask for a validation; dynamic sampling drops groups without reward spread."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from transformers import TrainerControl, TrainerState
 
 from searchr1_trl.training import evaluation
-from searchr1_trl.training.callbacks import CollapseGuard, CollapseGuardConfig
+from searchr1_trl.training.callbacks import KEEP_METRIC, CollapseGuard, CollapseGuardConfig, em_noise
 from searchr1_trl.training.recipe import build_task
 from searchr1_trl.training.trainer import SearchR1Trainer
 from tests.test_trainer import model_text_reward, small_config
@@ -31,12 +32,13 @@ def scripted_validation(monkeypatch, ems: list[float], searches: list[float]):
     return calls
 
 
-def guarded_trainer(model, tmp_path, questions_file, retriever_url, max_steps: int = 4) -> SearchR1Trainer:
+def guarded_trainer(model, tmp_path, questions_file, retriever_url, max_steps: int = 4,
+                    **overrides) -> SearchR1Trainer:
     """Validation and a save after every step of ``max_steps``; 4 validation questions and 3 report questions."""
     args = small_config(tmp_path, questions_file, retriever_url, generator="transformers", max_tokens_per_turn=8,
                         max_turns=1, learning_rate=1e-3, max_steps=max_steps, eval_strategy="steps", eval_steps=1,
                         eval_on_start=True, save_strategy="steps", save_steps=1, eval_num_samples=4,
-                        report_num_samples=3)
+                        report_num_samples=3, **overrides)
     task = build_task(args)
     return SearchR1Trainer(model=str(model), args=args, task=task, reward_funcs=[task.rubric, model_text_reward])
 
@@ -62,7 +64,7 @@ def test_a_scripted_collapse_stops_training_and_it_ends_on_the_best_checkpoint(
     lines = [r.getMessage() for r in caplog.records if "collapse guard" in r.getMessage()]
     assert len(lines) == 1 and "step 2" in lines[0] and "best: step 1" in lines[0]
     assert "validation EM 0.250 is 0.250 below the best 0.500" in lines[0] and "searches per rollout 0.20" in lines[0]
-    assert trainer.state.best_global_step == 1 and trainer.state.best_metric == 0.5
+    assert trainer.state.best_global_step == 1, "step 1 is the newest within noise of the best that did not collapse"
     best = saved_weights(tmp_path / "run" / "checkpoint-1")
     now = weights(trainer.model)
     assert all(torch.equal(now[name], best[name]) for name in best), "the model is the step-1 checkpoint's"
@@ -74,24 +76,66 @@ def test_a_scripted_collapse_stops_training_and_it_ends_on_the_best_checkpoint(
 
 def test_the_start_itself_is_a_candidate_and_can_be_what_training_ends_on(
         tiny_model_dir, tmp_path, questions_file, retriever_url, monkeypatch):
-    scripted_validation(monkeypatch, ems=[0.75, 0.72, 0.5, 0.5, 0.5], searches=[1.0] * 5)
+    scripted_validation(monkeypatch, ems=[0.75, 0.5, 0.5, 0.5, 0.5], searches=[1.0] * 5)
     trainer = guarded_trainer(tiny_model_dir, tmp_path, questions_file, retriever_url)
     start = weights(trainer.model)
     trainer.train()
-    assert trainer.state.global_step == 2, "0.72 is within em_drop of 0.75; 0.50 is not"
+    assert trainer.state.global_step == 1, "0.50 is em_drop or more below 0.75: the collapse stops at step 1"
     assert trainer.state.best_global_step == 0
     assert (tmp_path / "run" / "checkpoint-0").is_dir()
     assert all(torch.equal(start[n], p) for n, p in weights(trainer.model).items()), "back to the step-0 weights"
 
 
-def test_without_a_collapse_training_runs_to_the_end_and_keeps_its_best(
-        tiny_model_dir, tmp_path, questions_file, retriever_url, monkeypatch):
-    # Two steps, not four: the drop that must not stop training (0.75 -> 0.70) is the last validation's either way.
-    calls = scripted_validation(monkeypatch, ems=[0.5, 0.75, 0.7], searches=[1.0] * 3)
+def test_without_a_collapse_training_ends_on_its_last_step_when_no_earlier_one_beats_it_beyond_noise(
+        tiny_model_dir, tmp_path, questions_file, retriever_url, monkeypatch, caplog):
+    # Two steps, not four: the drop that must not stop training (0.75 -> 0.72) is the last validation's either way.
+    calls = scripted_validation(monkeypatch, ems=[0.5, 0.75, 0.72], searches=[1.0] * 3)
     trainer = guarded_trainer(tiny_model_dir, tmp_path, questions_file, retriever_url, max_steps=2)
-    trainer.train()
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
     assert len(calls) == 3 and trainer.state.global_step == 2
-    assert trainer.state.best_global_step == 1, "0.70 at step 2 is within em_drop of 0.75: no stop, best kept"
+    assert trainer.state.best_global_step == 2, "0.72 is within the noise of 0.75 on 4 questions: the last is kept"
+    assert trainer.collapse_guard.collapse is None
+    assert not any("training ends on the step" in r.getMessage() for r in caplog.records)
+
+
+def test_an_earlier_checkpoint_beating_the_last_by_more_than_the_noise_is_kept(
+        tiny_model_dir, tmp_path, questions_file, retriever_url, monkeypatch, caplog):
+    scripted_validation(monkeypatch, ems=[0.0, 1.0, 0.5], searches=[1.0] * 3)
+    # No collapse (em_drop 0.9): 0.5 is 2 standard errors (0.25 each on 4 questions) below 1.0, beyond noise_z 1.
+    trainer = guarded_trainer(tiny_model_dir, tmp_path, questions_file, retriever_url, max_steps=2,
+                              collapse_em_drop=0.9)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert trainer.state.global_step == 2 and trainer.collapse_guard.collapse is None
+    assert trainer.state.best_global_step == 1
+    kept = saved_weights(tmp_path / "run" / "checkpoint-1")
+    assert all(torch.equal(weights(trainer.model)[name], kept[name]) for name in kept)
+    lines = [r.getMessage() for r in caplog.records if "training ends on the step" in r.getMessage()]
+    assert lines == ["training ends on the step-1 checkpoint (validation EM 1.000), not the last step 2: it beats the "
+                     "last validated step by more than the validation sample's noise"]
+
+
+def kept_after(guard: CollapseGuard, step: int, em: float, n: int = 500) -> bool:
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = step
+    metrics = {"eval_em": em, "eval_searches_per_rollout": 1.0, "eval_num_samples": n, "eval_search_failed": 0}
+    guard.on_evaluate(None, state, control, metrics=metrics)
+    return metrics[f"eval_{KEEP_METRIC}"] == step + 1
+
+
+def test_a_step_is_kept_when_its_em_is_within_noise_z_standard_errors_of_the_best():
+    assert round(em_noise(0.37, 0.40, 500), 4) == 0.0308
+    guard = CollapseGuard(CollapseGuardConfig(noise_z=1.0))
+    guard.on_train_begin(None, None, None)
+    assert kept_after(guard, 0, 0.36), "the first validation is the best seen"
+    assert kept_after(guard, 10, 0.40), "a new best"
+    assert kept_after(guard, 20, 0.38), "0.02 below, within 0.031"
+    assert not kept_after(guard, 30, 0.36), "0.04 below, beyond 0.031 (and within em_drop: no collapse)"
+    assert kept_after(guard, 40, 0.39)
+    strict = CollapseGuard(CollapseGuardConfig(noise_z=0.0))
+    strict.on_train_begin(None, None, None)
+    assert kept_after(strict, 0, 0.40) and not kept_after(strict, 10, 0.39) and kept_after(strict, 20, 0.40)
 
 
 def control_after(guard: CollapseGuard, step: int, **logs) -> TrainerControl:
@@ -135,6 +179,8 @@ def test_a_resumed_run_compares_with_the_best_its_checkpoint_recorded():
 def test_a_bad_guard_setting_names_the_field():
     with pytest.raises(ValueError, match=r"collapse_searches_drop=1\.5; expected a fraction"):
         CollapseGuardConfig(searches_drop=1.5)
+    with pytest.raises(ValueError, match=r"collapse_noise_z=-1; expected >= 0"):
+        CollapseGuardConfig(noise_z=-1)
 
 
 def constant_reward(prompts, completions, **kwargs) -> list[float]:
@@ -158,7 +204,7 @@ def test_without_checkpoints_the_guard_still_stops_and_says_it_cannot_end_on_the
     with caplog.at_level(logging.WARNING):
         args = SearchR1Config(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
                               eval_strategy="steps", eval_steps=5, save_strategy="no")
-    assert not args.load_best_model_at_end and args.metric_for_best_model == "em"
+    assert not args.load_best_model_at_end and args.metric_for_best_model == KEEP_METRIC
     assert any("keeps no checkpoint to end on the best one" in r.getMessage() for r in caplog.records)
 
 

@@ -49,7 +49,7 @@ from searchr1_trl.engine.rollout import RolloutConfig
 from searchr1_trl.tasks.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
 from searchr1_trl.tasks.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.tasks.search_r1.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
-from searchr1_trl.training.callbacks import CollapseGuardConfig
+from searchr1_trl.training.callbacks import KEEP_METRIC, CollapseGuardConfig
 from searchr1_trl.training.experimental.async_rollouts import IMPORTANCE_SAMPLING_MODES, AsyncRolloutsConfig
 from searchr1_trl.training.warm_start import WarmStartConfig
 
@@ -251,6 +251,7 @@ class SearchR1Config(GRPOConfig):
     collapse_em_drop: float = knob("collapse_guard", "em_drop")
     collapse_searches_drop: float = knob("collapse_guard", "searches_drop")
     collapse_entropy_drop: float = knob("collapse_guard", "entropy_drop")
+    collapse_noise_z: float = knob("collapse_guard", "noise_z")
 
     # --- asynchronous rollouts (searchr1_trl/training/experimental/async_rollouts.py) ---
     async_rollouts: bool = knob("async_rollouts", "enabled")
@@ -310,10 +311,10 @@ class SearchR1Config(GRPOConfig):
                                  f"remove it from the recipe{instead}")
             setattr(self, name, wanted)
         if self.collapse_guard and self.eval_strategy != "no":
-            if self.metric_for_best_model not in (None, "em", "eval_em"):
-                raise ValueError(f"metric_for_best_model={self.metric_for_best_model!r}: the collapse guard keeps the "
-                                 "best checkpoint by validation EM; remove it or set collapse_guard false")
-            self.metric_for_best_model, self.greater_is_better = "em", True
+            if self.metric_for_best_model not in (None, KEEP_METRIC, f"eval_{KEEP_METRIC}"):
+                raise ValueError(f"metric_for_best_model={self.metric_for_best_model!r}: the collapse guard chooses "
+                                 "the checkpoint to keep by validation EM; remove it or set collapse_guard false")
+            self.metric_for_best_model, self.greater_is_better = KEEP_METRIC, True
             if self.save_strategy != "no":
                 # transformers' own best-checkpoint machinery; it refuses save_steps that are no multiple of eval_steps
                 self.load_best_model_at_end = True

@@ -29,10 +29,10 @@ What this subclass decides, and nothing more:
   ``fp32_master_weights`` (bf16 weights, fp32 copies in the optimizer), ``padding_free`` (rollouts packed without
   padding for the log-prob forward) and ``compile_layers`` (each decoder layer ``torch.compile``-d in place); the
   loss, tool tokens masked, is TRL's either way.
-- **The saved model is the best validated one** (:class:`~searchr1_trl.training.callbacks.CollapseGuard`): a collapse
-stops
-  training and it ends on the best checkpoint by validation EM, step 0 included; ``report_num_samples`` questions
-  disjoint from the validation sample are evaluated beside it, as the figure to report.
+- **The saved model is the newest validated checkpoint within noise of the best**
+  (:class:`~searchr1_trl.training.callbacks.CollapseGuard`): without a collapse the last step, unless an earlier
+  checkpoint beats it by more than the validation sample's noise; a collapse stops training, step 0 is a candidate;
+  ``report_num_samples`` questions disjoint from the validation sample are evaluated beside it, as the figure to report.
 - **DAPO's dynamic sampling** (``drop_equal_reward_groups``): groups without reward spread leave the loss.
 - **An optimizer step with NaN/inf gradients is skipped**, not applied
   (:class:`~searchr1_trl.training.callbacks.NonFiniteGradientGuard`).
@@ -560,12 +560,18 @@ class SearchR1Trainer(GRPOTrainer):
             self.train_stream.load_state_dict(json.loads(state_file.read_text()))
         with self._event_loop():
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-        best = self.state.best_global_step
-        if self.args.load_best_model_at_end and best is not None and best != self.state.global_step:
-            logger.warning("training ends on the best checkpoint: step %d (validation EM %.3f), not the last step %d",
-                           best, self.state.best_metric, self.state.global_step)
+        kept = self.state.best_global_step
+        if self.args.load_best_model_at_end and kept is not None and kept != self.state.global_step:
+            logger.warning("training ends on the step-%d checkpoint (validation EM %.3f), not the last step %d: %s",
+                           kept, self._validation_em(kept), self.state.global_step,
+                           "a collapse stopped it" if self.collapse_guard.collapse else
+                           "it beats the last validated step by more than the validation sample's noise")
             self._synced_step = -1  # the server holds the last step's weights: push the restored ones next time
         return output
+
+    def _validation_em(self, step: int) -> float:
+        """The validation EM logged at ``step``."""
+        return next(e["eval_em"] for e in self.state.log_history if e.get("step") == step and "eval_em" in e)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card plus what a Search-R1 checkpoint needs to be reproduced: recipe, data, retriever, final EM."""
@@ -575,9 +581,10 @@ class SearchR1Trainer(GRPOTrainer):
             return
         evals = [entry for entry in self.state.log_history if "eval_em" in entry]
         final_em = f"{evals[-1]['eval_em']:.3f} at step {evals[-1]['step']}" if evals else "not evaluated"
-        if self.args.load_best_model_at_end and self.state.best_global_step is not None:
-            final_em = (f"{self.state.best_metric:.3f} at step {self.state.best_global_step} (the best validated "
-                        f"checkpoint, which this model is; last step: {final_em})")
+        kept = self.state.best_global_step
+        if self.args.load_best_model_at_end and evals and kept is not None and kept != evals[-1]["step"]:
+            final_em = (f"{self._validation_em(kept):.3f} at step {kept} (the checkpoint the collapse guard kept, "
+                        f"which this model is; last validation: {final_em})")
         args = self.args
         section = "\n".join([
             "", "## Search-R1 recipe", "",
