@@ -154,7 +154,8 @@ def test_every_learning_variant_of_the_gpu_script_is_a_valid_offline_gpu_recipe(
     assert fewer.steps_per_generation == fewer.gradient_accumulation_steps == 2
     # e2e_alone's lock-step pair: the recipe's own push and the tmpfs reload it replaced (issue 23's baseline)
     assert (parsed["sync"].weight_sync, parsed["reload"].weight_sync) == ("ipc", "reload")
-    assert parsed["sync"].activation_checkpointing and not parsed["nockpt"].activation_checkpointing
+    assert not parsed["sync"].activation_checkpointing, "the recipe runs alone on its GPU: no checkpointing"
+    assert (parsed["sync"].compile_layers, parsed["sync"].padding_free) == (True, True)
     every = parsed["compiled_packed_nockpt"]
     assert (every.compile_layers, every.padding_free, every.activation_checkpointing) == (True, True, False)
     lean = parsed["async_safe_nockpt"]
