@@ -113,7 +113,7 @@ class BatcherConfig:
         """This config with the unset batch limits set for an encoder on ``device_type`` ("cuda" or "cpu"). On an
         H200, 8 clients sending 64-query requests got 0.58x the throughput of a one-request-at-a-time server with the
         CPU limits (a request just over 4,096 characters was sliced and waited behind newcomers: p99 6.4 s) and 2.35x
-        with the GPU ones (docs/results, 2026-12-01)."""
+        with the GPU ones (experiments/results, 2026-12-01)."""
         gpu = device_type == "cuda"
         return replace(self, max_batch_size=self.max_batch_size or (512 if gpu else 256),
                        max_batch_chars=self.max_batch_chars or (65_536 if gpu else 4_096))

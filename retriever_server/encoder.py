@@ -127,8 +127,8 @@ class Encoder:
     def _tokenize(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """The tokenizer's ``(texts, padding=True, truncation=True, return_tensors="pt")``, the same tensors. With a
         fast tokenizer the Rust one is called directly: transformers' call holds the GIL building its BatchEncoding
-        (512 queries in batches of 128: 8.6 ms of the calling thread against 3.5 here, benchmarks/retriever_profile.py),
-        time the server's other threads wait for."""
+        (512 queries in batches of 128: 8.6 ms of the calling thread against 3.5 here,
+        experiments/retriever_profile.py), time the server's other threads wait for."""
         if self._backend is None:
             return dict(self.tokenizer(texts, padding=True, truncation=True, max_length=self.config.max_length,
                                        return_tensors="pt"))

@@ -7,7 +7,7 @@ consecutive rows: ``BLOCK_N / group`` numbers per query instead of ``BLOCK_N``. 
 the index once (32 GB) and the maxima (1/``group`` of the scores), so what is left is the matmul itself.
 
 Tile sizes are chosen by batch (``config_for``), not by ``triton.autotune``: autotuning runs every config on the
-whole 21M-row index for each new batch size a server sees; ``benchmarks/retriever_gpu_scale.py --configs`` sweeps
+whole 21M-row index for each new batch size a server sees; ``experiments/retriever_gpu_scale.py --configs`` sweeps
 them once instead. A config is written ``BMxBNxBK-wW-sS`` (tile sizes, warps, pipeline stages).
 """
 

@@ -187,7 +187,7 @@ def format_result(hits: list[Hits], return_scores: bool) -> list[list[dict]]:
 
 def json_response(content: dict) -> Response:
     """``content`` as a JSON response, rendered by msgspec: 0.22 ms for a 64-query result against 0.95 ms with the
-    json module (JSONResponse; benchmarks/retriever_profile.py), time the event loop holds the GIL the search threads
+    json module (JSONResponse; experiments/retriever_profile.py), time the event loop holds the GIL the search threads
     need."""
     return Response(msgspec.json.encode(content), media_type="application/json")
 
@@ -300,7 +300,7 @@ def probe(retriever: Retriever) -> None:
 
 
 def main(argv: list[str] | None = None, adapt: Callable[[Retriever], Retriever] | None = None) -> None:
-    """Serve until stopped. ``adapt`` replaces the loaded retriever before the probe (``benchmarks.padded_retriever``
+    """Serve until stopped. ``adapt`` replaces the loaded retriever before the probe (``experiments.padded_retriever``
     pads its index to wiki-18's size)."""
     logging.basicConfig(level=logging.INFO, format="[retriever] %(message)s")
     parser = HfArgumentParser([ServerConfig, EncoderConfig, SearchConfig, BatcherConfig], description=__doc__)

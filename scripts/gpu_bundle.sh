@@ -3,8 +3,8 @@
 # the Python 3.12 packages its image lacks (requirements-gpu-lock.txt: vLLM 0.26.0, TRL, transformers, faiss, ...)
 # installed into one folder and xz-compressed, and the offline assets (GGUF of the offline model, MiniLM, SQuAD-open).
 # Output: <out>/site.tar.xz.NN and <out>/assets.tar.NN, 45 MiB pieces: a call carries 64 MiB, the repo (16 MiB of
-# tracked files, growing with docs/results) and one piece; 50 MiB pieces outgrew that on 2026-12-05. PIECE=61M makes
-# 14 pieces instead of 18 for calls that move docs/results out of the tree first (the repo is ~1.3 MiB without it).
+# tracked files, growing with experiments/results) and one piece. PIECE=61M makes 14 pieces instead of 18 for calls
+# that move experiments/results out of the tree first (the repo is ~1.3 MiB without it).
 # On the GPU machine: bash scripts/gpu_setup.sh <folder holding the pieces>.
 #   bash scripts/gpu_bundle.sh [out=.device] [dir of extra wheels, e.g. deepspeed built with DS_BUILD_OPS=0 for ZeRO-3]
 # GPU_LOCK names another requirements file; BUNDLE_ASSETS=0 leaves the offline assets out; BUNDLE_SIBLING=1 adds the

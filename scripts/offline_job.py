@@ -196,7 +196,7 @@ def main() -> None:
     start = time.monotonic()
     # For every process started here: glibc's adaptive mmap threshold (up to 32 MiB) keeps freed tensors in the heap,
     # so the CPU trainer held 4.0-4.5 GiB between micro-batches instead of 3.2; blocks of 1 MiB and more are mapped
-    # and unmapped instead (the job's peak 12.6 -> 11.4 GiB: python -m benchmarks.main_job, docs/results).
+    # and unmapped instead (the job's peak 12.6 -> 11.4 GiB: python -m experiments.main_job, experiments/results).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
     out = (ROOT / args.output_dir).resolve()
 

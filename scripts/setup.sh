@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up the CPU profile in .venv (idempotent): pinned packages, the three vLLM-on-CPU fixes, offline assets.
-# Usage: bash scripts/setup.sh            (GPU hosts: docs/reproduce.md, "Install on a GPU host")
+# Usage: bash scripts/setup.sh            (GPU hosts: the README, "Train on one GPU")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}

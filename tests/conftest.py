@@ -110,6 +110,30 @@ def template_tokenizer(offline_assets, template: str | None):
     return tokenizer
 
 
+def accelerate_launch(config: str, *command: str) -> subprocess.CompletedProcess:
+    """``accelerate launch`` of ``command`` under ``accelerate_configs/<config>``, one CPU process, no mixed
+    precision: DeepSpeed's bf16 setting must match the trainer's, which is off on CPU."""
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           str(repo / "accelerate_configs" / config), "--num_processes", "1", "--mixed_precision", "no",
+                           *command],
+                          cwd=repo, capture_output=True, text=True, timeout=900)
+
+
+def servable_tiny_qwen2(tokenizer, tied: bool):
+    """A random 2-layer bf16 Qwen2 (seed 0) that a CPU vLLM server can serve: head_dim 64, vLLM's CPU attention having
+    no kernel for smaller heads."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).to(torch.bfloat16)
+
+
 @pytest.fixture(scope="session")
 def offline_assets():
     from searchr1_trl.assets.offline import require
@@ -201,7 +225,7 @@ def retriever_url(retriever_server) -> str:
 
 @pytest.fixture(scope="session")
 def reliability_figures():
-    """Figures the reliability tests measure; written as JSON to $RELIABILITY_FIGURES (benchmarks/reliability.py
+    """Figures the reliability tests measure; written as JSON to $RELIABILITY_FIGURES (experiments/reliability.py
     renders them into docs/RELIABILITY.md) when that variable is set."""
     figures: dict = {}
     yield figures

@@ -118,6 +118,26 @@ def test_the_retrieval_server_does_not_import_the_trainer_package():
     assert [p.name for p in sources if any(n.split(".")[0] == "searchr1_trl" for n in imported(p))] == []
 
 
+NOTEBOOK = "experiments"  # the lab notebook: benchmarks, variants, history; it may change without a release
+
+
+def names_the_notebook(path: Path) -> bool:
+    """Whether ``path`` imports the notebook or names one of its modules to run (``python -m experiments.x``)."""
+    strings = [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)
+               and isinstance(n.value, str)]
+    return (any(name.split(".")[0] == NOTEBOOK for name in imported(path))
+            or any(text.startswith(f"{NOTEBOOK}.") for text in strings))
+
+
+def test_nothing_in_the_product_or_its_tests_imports_the_lab_notebook():
+    # The notebook imports the package, never the other way round: the product runs and is tested without it.
+    folders = ("searchr1_trl", "retriever_server", "scripts", "tests")
+    sources = sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+    assert [str(p.relative_to(ROOT)) for p in sources if names_the_notebook(p)] == []
+    # the check sees both ways in: the notebook's own test imports a benchmark and launches it with -m
+    assert names_the_notebook(ROOT / NOTEBOOK / "tests" / "test_zero3_update.py")
+
+
 def test_the_front_door_exports_every_public_name_from_its_module():
     import searchr1_trl
 

@@ -519,7 +519,7 @@ def test_an_async_runs_kl_to_the_reference_is_zero_before_the_first_update_and_g
     # the offline_gpu recipe's beta 0.04 with async rollouts: the reference forward runs on the trainer's step; packed
     # and compiled, every speed lever at once, the loss's LM head skipping unscored positions (packed alone: the
     # weighted KL term's tests above). At step 1 the policy is the reference (on an H100 that mode logged
-    # 5.6e-05 there, then drifted and collapsed by step 10: docs/results/README.md, e2e_alone_h100).
+    # 5.6e-05 there, then drifted and collapsed by step 10: experiments/results/README.md, e2e_alone_h100).
     # A reward that differs between rollouts gives the update advantages to move the weights by.
     args = small_config(tmp_path, questions_file, "http://127.0.0.1:9/retrieve", max_steps=2, generator="transformers",
                         max_tokens_per_turn=8, max_turns=1, async_rollouts=True, max_staleness=1, learning_rate=1e-3,

@@ -3,9 +3,6 @@ configures, wired in one function; fields the trainer owns refused; asset paths 
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 from dataclasses import fields
 
 import pytest
@@ -44,7 +41,8 @@ def test_every_recipe_loads_validates_and_builds_its_grpo_config(recipe, offline
     assert args.beta == (0.04 if args.warm_start_traces else 0.0)
     assert args.generation_batch_size % args.num_generations == 0
     assert args.max_completion_length == args.max_rollout_tokens
-    # a call the sampler left unclosed is closed, not scored 0 (0.5B: gain +0.035 -> +0.053, docs/results/learning.md)
+    # a call the sampler left unclosed is closed, not scored 0 (0.5B: gain +0.035 -> +0.053,
+    # experiments/results/learning.md)
     assert args.close_tool_calls
     header = (CONFIGS / f"{recipe}.yaml").read_text().splitlines()[0]
     assert header.startswith("# "), "every recipe starts with a header comment giving its plan"
@@ -97,22 +95,6 @@ def test_the_staleness_corrections_knobs_are_checked_before_a_step_reads_them():
     assert (args.vllm_importance_sampling_mode, args.off_policy_mask_threshold) == ("sequence_truncate", 0.02)
 
 
-def gpu_path_variants() -> tuple[dict[str, list[str]], list[str]]:
-    """Each learning variant of ``benchmarks/gpu_path.sh`` (the labels of its ``variant_flags`` case) with the flags
-    it lays over ``offline_gpu`` as bash gives them, and the names the script's refusal of an unknown one lists."""
-    script = CONFIGS.parent / "benchmarks" / "gpu_path.sh"
-    function = re.search(r"^variant_flags\(\) \{\n.*?^\}", script.read_text(), re.M | re.S).group(0)
-    labels = [name for case in re.findall(r"^ {4}([a-z0-9_|]+)\)", function, re.M) for name in case.split("|")]
-
-    def variant_flags(name: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", "-c", f'{function}\nvariant_flags "$0"', name], capture_output=True,
-                              text=True, env={**os.environ, "SIBLING": "/models/sibling"})
-
-    refusal = variant_flags("no-such-variant").stderr
-    listed = re.findall(r"[a-z0-9_]+", refusal.split("expected", 1)[1].replace(" or ", ", "))
-    return {name: variant_flags(name).stdout.split() for name in labels}, listed
-
-
 def test_pausing_rollouts_for_a_push_is_checked_with_a_warning_of_its_gpu_collapse(caplog):
     args = parse_recipe("offline_gpu", "--generator", "vllm", "--async_rollouts", "true",
                         "--in_flight_rollouts", "pause")[0]
@@ -124,45 +106,6 @@ def test_pausing_rollouts_for_a_push_is_checked_with_a_warning_of_its_gpu_collap
         async_rollouts.check_recipe(parse_recipe("offline_gpu", "--generator", "vllm", "--async_rollouts", "true")[0],
                                     deepspeed=False)
     assert "in_flight_rollouts" not in caplog.text  # the default, finish, runs as measured
-
-
-def test_every_learning_variant_of_the_gpu_script_is_a_valid_offline_gpu_recipe():
-    # a typo in a variant's flags would cost a GPU session's device time to find
-    variants, listed = gpu_path_variants()
-    assert {"sync", "reload", "sync_ipc", "async_safe", "async_safe_pause", "async_safe_compiled_packed",
-            "q15"} <= set(variants)
-    assert sorted(listed) == sorted(variants), "the refusal of an unknown variant names every variant there is"
-    parsed = {}
-    for name, flags in variants.items():
-        if "--model" in flags:  # offline_job's own flag (it serves and trains that folder), not a recipe field
-            i = flags.index("--model")
-            assert flags[i + 1] == "/models/sibling", name
-            del flags[i:i + 2]
-        args = parse_recipe("offline_gpu", *flags)[0]  # unknown flags and the config's own checks refuse here
-        if args.async_rollouts:
-            async_rollouts.check_recipe(args, deepspeed=False)  # what the trainer checks before its first step
-        parsed[name] = args
-    safe = parsed["async_safe_pause"]
-    assert (safe.async_rollouts, safe.max_staleness, safe.weight_sync, safe.in_flight_rollouts) == (True, 1, "ipc",
-                                                                                                    "pause")
-    assert (safe.vllm_importance_sampling_mode, safe.off_policy_mask_threshold) == ("sequence_truncate", 0.02)
-    fast = parsed["async_safe_compiled_packed"]
-    assert (fast.compile_layers, fast.padding_free, fast.off_policy_mask_threshold) == (True, True, 0.02)
-    assert not parsed["sync"].async_rollouts
-    fewer = parsed["async_guard_compiled_packed_mb32"]  # the recipe's 64 rollouts a step, in 2 micro-batches
-    assert fewer.generation_batch_size == parsed["sync"].generation_batch_size == 64
-    assert fewer.steps_per_generation == fewer.gradient_accumulation_steps == 2
-    # e2e_alone's lock-step pair: the recipe's own push and the tmpfs reload it replaced (issue 23's baseline)
-    assert (parsed["sync"].weight_sync, parsed["reload"].weight_sync) == ("ipc", "reload")
-    assert not parsed["sync"].activation_checkpointing, "the recipe runs alone on its GPU: no checkpointing"
-    assert (parsed["sync"].compile_layers, parsed["sync"].padding_free) == (True, True)
-    every = parsed["compiled_packed_nockpt"]
-    assert (every.compile_layers, every.padding_free, every.activation_checkpointing) == (True, True, False)
-    lean = parsed["async_safe_nockpt"]
-    assert (lean.async_rollouts, lean.activation_checkpointing, lean.off_policy_mask_threshold) == (True, False, 0.02)
-    guarded = parsed["async_guard"]
-    assert (guarded.activation_checkpointing, guarded.max_behaviour_kl) == (False, 0.01)
-    assert lean.max_behaviour_kl is None
 
 
 def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):

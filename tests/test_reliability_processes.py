@@ -43,7 +43,8 @@ def _shell_commands(text: str) -> list[str]:
 
 
 def test_every_vllm_serve_command_in_the_docs_and_scripts_binds_loopback_or_a_named_address():
-    files = [p for pattern in ("*.md", "docs/**/*.md", "scripts/*.sh", "benchmarks/*.sh") for p in ROOT.glob(pattern)]
+    patterns = ("*.md", "docs/**/*.md", "experiments/**/*.md", "scripts/*.sh", "experiments/*.sh")
+    files = [p for pattern in patterns for p in ROOT.glob(pattern)]
     commands = [(p.name, line) for p in files for line in _shell_commands(p.read_text())
                 if re.search(r"vllm-serve --", line)]
 

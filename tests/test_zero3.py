@@ -1,47 +1,23 @@
 """The trainer under DeepSpeed ZeRO-3 (accelerate_configs/zero3.yaml), on CPU: DeepSpeed's CPU accelerator runs the
 engine, the sharded parameters and their gathering hooks in one process, so the path the Qwen3 recipes take is
-checked here: the update against the same update without DeepSpeed (benchmarks/zero3_update.py, one fixed rollout
-batch), the refusal of compile_layers, a GRPO step through scripts/train.py with its checkpoint, and asynchronous
-rollouts from a vLLM server that each step's gathered weights are pushed to. (Two processes stop at DeepSpeed's
-batch-size check on CPU, where transformers counts a world size of 1.)"""
+checked here: a GRPO step through scripts/train.py with its checkpoint, and asynchronous rollouts from a vLLM server
+that each step's gathered weights are pushed to. (Two processes stop at DeepSpeed's batch-size check on CPU, where
+transformers counts a world size of 1.) The update against the same update without DeepSpeed, and the refusal of
+compile_layers, are checked through the update benchmark: experiments/tests/test_zero3_update.py."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from conftest import accelerate_launch, servable_tiny_qwen2
 from safetensors.torch import load_file
 from test_trainer import model_logprobs, server_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks import zero3_update
-from benchmarks.probes.tied_head_reload import servable_tiny_qwen2
 from searchr1_trl.serving.processes import free_port
 from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def launch(config: str, *command: str) -> subprocess.CompletedProcess:
-    """``accelerate launch`` of ``command`` under ``accelerate_configs/<config>``, one CPU process, no mixed
-    precision: DeepSpeed's bf16 setting must match the trainer's, which is off on CPU."""
-    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(REPO / "accelerate_configs" / config), "--num_processes", "1", "--mixed_precision", "no",
-                           *command],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-
-
-UPDATE_FLAGS = ("--per_device_batch", "4", "--seq", "64", "--prompt", "16", "--steps", "2")  # one fixed batch, 2 steps
-
-
-def update(tmp_path: Path, model: Path, config: str, *flags: str) -> subprocess.CompletedProcess:
-    out = tmp_path / f"{config}.jsonl"
-    out.unlink(missing_ok=True)
-    return launch(config, "-m", "benchmarks.zero3_update", *UPDATE_FLAGS, "--model", str(model), "--out", str(out),
-                  *flags)
 
 
 def train_recipe(tmp_path: Path, model: Path, questions_file: str, search_url: str, **fields) -> Path:
@@ -57,30 +33,6 @@ def train_recipe(tmp_path: Path, model: Path, questions_file: str, search_url: s
     return config
 
 
-@pytest.mark.slow  # a DeepSpeed launch (the suite's first builds DeepSpeed's shm op, ~45 s) and the same in-process
-def test_a_zero3_step_computes_the_gradients_of_the_step_without_deepspeed(tmp_path, tiny_model_dir):
-    run = update(tmp_path, tiny_model_dir, "zero3.yaml")
-    assert run.returncode == 0, run.stderr[-3000:]
-    zero3 = json.loads((tmp_path / "zero3.yaml.jsonl").read_text().splitlines()[-1])
-    # without DeepSpeed the same update runs in this process (a launch would only add TRL's ~10 s import)
-    zero3_update.main([*UPDATE_FLAGS, "--model", str(tiny_model_dir), "--out", str(tmp_path / "plain.jsonl")])
-    plain = json.loads((tmp_path / "plain.jsonl").read_text().splitlines()[-1])
-    assert (zero3["measure"], plain["measure"]) == ("zero3_update", "update_no_deepspeed")
-    assert zero3["grad_norms"][0] > 0
-    # the first step's loss is -mean(advantage) whatever the weights; its gradient is what ZeRO-3 could get wrong (a
-    # lost shard, a doubled scale: far off); the bf16 model's norm is summed in bf16 without DeepSpeed, in fp32 with
-    # it (0.3691 vs 0.3681 here), hence bf16's ~0.4% step
-    assert zero3["grad_norms"][0] == pytest.approx(plain["grad_norms"][0], rel=1e-2)
-    assert zero3["losses"] == pytest.approx(plain["losses"], rel=1e-3)
-
-
-@pytest.mark.slow  # a DeepSpeed launch, ~25 s
-def test_compile_layers_under_zero3_is_refused_with_the_reason(tmp_path, tiny_model_dir):
-    run = update(tmp_path, tiny_model_dir, "zero3.yaml", "--compile_layers")
-    assert run.returncode != 0
-    assert "compile_layers=True under DeepSpeed ZeRO-3" in run.stderr
-
-
 @pytest.mark.slow  # one GRPO step of the tiny model through accelerate + DeepSpeed, ~60 s
 def test_the_training_entry_point_takes_a_grpo_step_under_zero3_and_saves_whole_weights(tmp_path, tiny_model_dir,
                                                                                        questions_file, retriever_url):
@@ -88,7 +40,7 @@ def test_the_training_entry_point_takes_a_grpo_step_under_zero3_and_saves_whole_
     # recipes run: rollouts from the ZeRO-3 model gathered for in-process generation, searches on the real retriever
     config = train_recipe(tmp_path, tiny_model_dir, questions_file, retriever_url, max_steps=1,
                           generator="transformers")
-    run = launch("zero3.yaml", "scripts/train.py", "--config", str(config))
+    run = accelerate_launch("zero3.yaml", "scripts/train.py", "--config", str(config))
     assert run.returncode == 0, run.stderr[-3000:]
     state = json.loads((tmp_path / "run" / "checkpoint-1" / "trainer_state.json").read_text())
     assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1]
@@ -129,7 +81,7 @@ def test_async_rollouts_under_zero3_train_on_a_vllm_server_that_each_push_gives_
     config = train_recipe(tmp_path, served_tiny_model_dir, questions_file, retriever_url, max_steps=3,
                           generator="vllm", vllm_server_base_url=tiny_vllm_server.base_url, weight_sync="reload",
                           async_rollouts=True, max_staleness=1, learning_rate=0.05, weight_decay=1.0)
-    run = launch("zero3.yaml", "scripts/train.py", "--config", str(config))
+    run = accelerate_launch("zero3.yaml", "scripts/train.py", "--config", str(config))
     assert run.returncode == 0, run.stderr[-3000:]
     state = json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())
     steps = [entry for entry in state["log_history"] if "async/staleness" in entry]

@@ -121,7 +121,7 @@ class VLLMServerGenerator(Generator):
 
     The requests go through one pooled ``aiohttp`` session per event loop. Not httpx: its connection pool scans every
     connection on every request, which with 256 in flight cost 7.3 ms of CPU per request against a server that
-    answers at once (aiohttp: 0.7 ms; ``benchmarks/engine_overhead.py``), more than the whole rest of a rollout-turn
+    answers at once (aiohttp: 0.7 ms; ``experiments/engine_overhead.py``), more than the whole rest of a rollout-turn
     and enough to make the engine, not vLLM, the bottleneck of a 0.5B model on an H200.
     """
 

@@ -17,7 +17,7 @@ to None as ``ERROR_PARSE``. A message is ``{"role": "assistant", "content": str}
    missing), and a last block left open at the end of the turn is closed. The slip a warm-started model makes at
    temperature 1 is another one: the call's JSON is whole, and the token after it is not ``</tool_call>`` (a second
    ``<tool_call>``, or any token of the vocabulary's tail: 904 of the 988 turns refused in six GPU runs,
-   ``docs/results/learning.md``). :func:`tool_call_end` finds where such a call ends; the rollout engine's
+   ``experiments/results/learning.md``). :func:`tool_call_end` finds where such a call ends; the rollout engine's
    ``close_tool_calls`` cuts the turn there and closes the block itself (900 of the 988 read so).
 3. **Bare JSON calls** (opt-in, ``bare_json_tool_calls``), applied to a message the first two read without tool
    calls: content that is nothing but ``{"name": ..., "arguments": {...}}`` objects, one per line, is read as those

@@ -333,7 +333,7 @@ class RolloutEngine:
         Only the text after the cut is tokenized when that gives the very tokens of the whole rendering (the cut
         falls at an added token, which the tokenizer splits the text at, and :func:`_tokenizes_alone` holds):
         tokenizing the whole conversation, passages included, twice per environment step was half of the engine's
-        CPU time per rollout-turn (``benchmarks/engine_overhead.py``).
+        CPU time per rollout-turn (``experiments/engine_overhead.py``).
         """
         stop, eos = generated_ids[-1], self.tokenizer.eos_token_id
         stop_text, eos_text = self._split_at.get(stop), self._split_at.get(eos)

@@ -44,8 +44,8 @@ class VLLMServerConfig:
     dtype: str = field(
         default="auto",
         metadata={"help": "Weight dtype. On a CPU without bf16 matrix instructions (AVX2 only) use float32: the "
-                          "offline 0.5B decodes 3x faster at batch 8 (benchmarks/probes/vllm_cpu_dtype.py: 26.4 vs 8.5 "
-                          "tokens/s)."},
+                          "offline 0.5B decodes 3x faster at batch 8 (experiments/probes/vllm_cpu_dtype.py: 26.4 "
+                          "vs 8.5 tokens/s)."},
     )
     enforce_eager: bool = field(
         default=False, metadata={"help": "Skip graph compilation: starts faster on CPU, generates a bit slower."}
@@ -70,7 +70,7 @@ class VLLMServerConfig:
                           "engine-core process: one process fewer than `mp` (0.42 GiB) and all cores for the model, "
                           "where `mp` binds its worker to one core and keeps one for the rest (8 concurrent requests "
                           "on 2 idle cores: 7.7-8.1 s vs 12.5-13.3 s; slower when other work takes a core). "
-                          "benchmarks/probes/vllm_cpu_memory.py."},
+                          "experiments/probes/vllm_cpu_memory.py."},
     )
     worker_extension_cls: str | None = field(
         default=None,

@@ -24,7 +24,7 @@ not write (no :data:`WEIGHT_SYNC_MARKER`) is refused, never deleted.
 tied head's weights for its GEMM, and a reload loads the embeddings (vLLM's loader skips the head, the same tensor)
 without repacking it. A tiny tied Qwen2 whose embeddings an update scaled by 0.9 was then served with the new
 embeddings and the old head (log-probs equal to that mix to 1e-6, 0.07 nats from the pushed model); an untied head
-reloads exactly (``benchmarks/probes/tied_head_reload.py``). :func:`warn_stale_tied_head` says so where it applies:
+reloads exactly (``experiments/probes/tied_head_reload.py``). :func:`warn_stale_tied_head` says so where it applies:
 a trainable tied embedding, reload, the CPU build of vLLM. A GPU server (vLLM 0.26 on an H200, the same probe) serves
 the pushed tied model as pushed (0.0024 nats), so the warning stays off there.
 """
@@ -261,7 +261,7 @@ def _merged_peft_state_dict(model) -> Iterator[dict[str, torch.Tensor]]:
     """Base-model state dict with the LoRA deltas merged in, under the base model's own parameter names; valid inside
     the ``with`` block only. The tensors are the model's own, merged in place and unmerged on exit: no copy of the
     model is made (a copy cost the CPU recipe's trainer 2.43 GB more at every sync, writing in place 0.1 GB:
-    ``python -m benchmarks.probes.lora_sync_memory``)."""
+    ``python -m experiments.probes.lora_sync_memory``)."""
     model.merge_adapter()
     try:
         yield {name.removeprefix("base_model.model.").replace(".base_layer", ""): tensor.detach()

@@ -17,7 +17,7 @@ on.
 - **compiled decoder layers** (``compile_layers``): ``torch.compile`` of each decoder layer in place
   (``nn.Module.compile``: parameter names, state dicts, hooks and the weight pushes unchanged), not of the whole model,
   so a graph is one layer's and the fused LM head and the loss stay TRL's. On an H200
-  (``benchmarks/policy_update.py --compile_layers``, seq 2048, bf16) it raised the update's MFU from 0.383 to 0.577
+  (``experiments/policy_update.py --compile_layers``, seq 2048, bf16) it raised the update's MFU from 0.383 to 0.577
   (Qwen3-1.7B) and 0.554 to 0.694 (Qwen3-8B). The first step compiles, for any sequence length and (packed: see
   :func:`pack_rows`' ``one_graph``) any packing; in-process generation runs the layers eager
   (:func:`~searchr1_trl.engine.generation.eager_layers`). Not under DeepSpeed ZeRO-3 (the trainer refuses it):

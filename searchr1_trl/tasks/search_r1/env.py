@@ -7,7 +7,7 @@ turn with tool calls gets one ``tool`` message per call, all calls run concurren
 ``topk`` passages, one per line: ``Doc 1(Title: <title>) <text>``; with ``restate_question`` they are followed by
 :data:`RESTATEMENT` (the answer format and the question again), for small models that lose the question behind
 long passages (Qwen2.5-Coder-0.5B, greedy, right after one search: EM 0/24 without it, 2/24 with it, 12/24 with
-the same passages pasted into the prompt; ``benchmarks/probes/answer_formats.py``). With ``exclude_seen_passages`` a
+the same passages pasted into the prompt; ``experiments/probes/answer_formats.py``). With ``exclude_seen_passages`` a
 search skips the passages its rollout was already shown, so searching again reads the next ones.
 
 Each rollout has its own :class:`SearchR1Env`, which holds its sample (the restatement reads the question from it,

@@ -33,7 +33,7 @@ Off by default (``async_rollouts``). What this module decides:
 - **The KL term is weighted too.** TRL adds ``beta * KL`` to the per-token loss after its importance weight, and the
   k3 estimate ``exp(ref - logp) - (ref - logp) - 1`` assumes tokens sampled from the current policy. A rollout
   sampled a step earlier can hold a token the last update made far less likely while the reference still likes it:
-  on an H200 (docs/results, "Asynchronous rollouts") one such step's mean KL was 63.5 against at most 0.37
+  on an H200 (experiments/results, "Asynchronous rollouts") one such step's mean KL was 63.5 against at most 0.37
   lock-step. With ``beta > 0`` the KL of every token is weighted by the same ``pi_current / pi_behaviour`` as its
   advantage (:func:`weighted_kl`; ``E_behaviour[w * k3] = E_current[k3]``, and ``w * k3`` stays near
   ``pi_ref / pi_behaviour``), for the token-sum losses (dapo, cispo) whose normalisation the trainer repeats. That
@@ -44,8 +44,8 @@ Off by default (``async_rollouts``). What this module decides:
   more than the weights that sampled them). TRL's ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence
   masking: a negative-advantage rollout the policy has moved far from leaves the loss) works as TRL has it, from the
   same behaviour log-probs, and ``sequence_truncate`` clips where ``sequence_mask`` zeroes. TRL's defaults stand (no
-  mask, ``sequence_mask``); the two together (``async_safe`` in benchmarks/gpu_path.sh) kept three seeds on one H200
-  within 0.02 EM of lock-step (docs/results/README.md, "The remedy, three seeds").
+  mask, ``sequence_mask``); the two together (``async_safe`` in experiments/gpu_path.sh) kept three seeds on one H200
+  within 0.02 EM of lock-step (experiments/results/README.md, "The remedy, three seeds").
 - **A bound on how far the policy moved** (``max_behaviour_kl``, off by default): a step whose rollouts' mean gap
   ``log pi_behaviour - log pi_current`` exceeds it in size (the policy moved far, either way) keeps its weights: the
   optimizer step is skipped (:class:`~searchr1_trl.training.callbacks.DivergentStepGuard`). With ``max_staleness`` 1 the
@@ -54,10 +54,10 @@ Off by default (``async_rollouts``). What this module decides:
   where a policy tips over its tool-call format in one update, lock-step corrects it at the next step from the tipped
   policy's own failures; one step stale, that step trains instead on rollouts the tipped weights no longer produce,
   whose importance weights are ~0 (on an H100, gap 0.245 a token, weights 0.08), and the policy goes on to fail every
-  rollout, where GRPO's advantages are 0 and nothing corrects it (docs/results/README.md, "The update without
+  rollout, where GRPO's advantages are 0 and nothing corrects it (experiments/results/README.md, "The update without
   checkpointing"). At 0.01, with ``async_safe``'s two knobs, three seeds alone on an H100 ran 30 steps 1.74-1.79x
   faster than lock-step through tmpfs (one run on another H100), none collapsing, EM level with lock-step's (the seed
-  that tipped was skipped twice and recovered as lock-step does; docs/results/README.md, "The bound on the GPU").
+  that tipped was skipped twice and recovered as lock-step does; experiments/results/README.md, "The bound on the GPU").
   Where the bound can run (no DeepSpeed, the correction on) a recipe that leaves it unset is warned.
 - **Validation stays synchronous**: it waits for the rollouts in flight and launches none.
 - **Resume is exact for the question stream**: questions are drawn ahead (:class:`Lookahead`) but a checkpoint saves
@@ -154,14 +154,14 @@ def check_recipe(args, deepspeed: bool) -> None:
                          "is vLLM's (/pause on the server); use generator='vllm' or in_flight_rollouts='finish'")
     if args.max_behaviour_kl is None and not deepspeed and args.vllm_importance_sampling_correction:
         logger.warning("async_rollouts without max_behaviour_kl: two one-GPU asynchronous runs collapsed where their "
-                       "policy tipped (docs/results/README.md, 'The update without checkpointing'); 0.01 kept three "
-                       "seeds on an H100 level with lock-step ('The bound on the GPU'). Set it unless you are "
-                       "measuring its absence")
+                       "policy tipped (experiments/results/README.md, 'The update without checkpointing'); 0.01 "
+                       "kept three seeds on an H100 level with lock-step ('The bound on the GPU'). Set it unless you "
+                       "are measuring its absence")
     if args.in_flight_rollouts == "pause":
         logger.warning("in_flight_rollouts='pause': in its one GPU run (H200, vLLM 0.26, 2026-12-05) the server and "
                        "the trainer parted by 0.43 nats a token at step 13 (importance weight mean 1.8e-07) and it "
-                       "collapsed, where 'finish' ran sound; the cause is not found (docs/results/README.md, 'Alone "
-                       "on the GPU'). Use 'finish' unless you are investigating it")
+                       "collapsed, where 'finish' ran sound; the cause is not found (experiments/results/README.md, "
+                       "'Alone on the GPU'). Use 'finish' unless you are investigating it")
     if args.loss_type not in LINEAR_IN_ADVANTAGE_LOSSES:
         raise ValueError(f"async_rollouts with loss_type={args.loss_type!r}: the staleness correction weights the "
                          "advantages, which equals weighting the loss only for "
