@@ -19,6 +19,8 @@
 #   e2e_alone ["<variants>"]         one GPU, in series: the recipe's first 30 GRPO steps, each variant alone on the
 #                                    GPU (default "async_guard sync"); SEEDS="0 1 2" runs each seed in turn; then
 #                                    `python -m experiments.learning report $RUNS/e2e_alone --baseline sync`
+#   recipe_alone ["<variants>"]      one GPU, in series: the recipe's whole run (warm start, 50 steps, validations)
+#                                    alone on the GPU, default "sync"; SEEDS="0 1 2" runs each seed in turn
 #   rollouts_wiki ["<flags>"]        one GPU, ~4 min: our engine against TRL's tool loop over a 21M x 768 index
 #   learning_sibling "<seeds>"       one GPU, ~18 min: the recipe on the 1.5B sibling, two seeds at most side by side
 #                                    (bundle with BUNDLE_SIBLING=1)
@@ -148,6 +150,9 @@ case "${1:?step}" in
   e2e_alone)  # end to end: the recipe's first 30 GRPO steps (warm start, evaluations every 10 steps
     # included as committed), each mode alone on the GPU with CUDA graphs; the speedups over the first mode
     in_series e2e_alone "${2:-async_guard sync}" "--max_steps 30" ;;
+  recipe_alone)  # the recipe's whole run (warm start, 50 GRPO steps, every validation) alone on the GPU, each
+    # variant and seed in turn (default "sync": the recipe as committed; "light" for its earlier update)
+    in_series recipe_alone "${2:-sync}" "" ;;
   rollouts_wiki)  # our engine against TRL's tool loop, 512 rollouts, the index padded to wiki-18's 21M x 768;
     # $2: more retrieval server flags, e.g. "--device cpu" (its encoder on the host's cores)
     python3 -m experiments.rollout_throughput --num_questions 512 --backends vllm trl --repeats 2 --vllm_gpu 0 \
