@@ -38,7 +38,7 @@ MODEL=$CACHE/models/Qwen2.5-Coder-0.5B-Instruct
 SIBLING=$CACHE/models/Qwen2.5-Coder-1.5B-Instruct  # searchr1-assets --sibling; bundled with BUNDLE_SIBLING=1
 mkdir -p "$RUNS"
 
-EAGER=${EAGER:+--generator_enforce_eager}  # EAGER=1: no CUDA graphs in the jobs' vLLM servers
+EAGER=${EAGER:+--generator_enforce_eager true}  # EAGER=1: no CUDA graphs in the jobs' vLLM servers
 LIGHT_SAVES="--save_only_model true --save_total_limit 1"  # runs side by side: full checkpoints would fill the disk
 
 # The flags a named variant lays over offline_gpu (experiments/variants.yaml); an unknown name fails, naming them all.
@@ -91,28 +91,30 @@ case "${1:?step}" in
       --out "$RUNS/weight_sync.jsonl" --log_dir "$RUNS" --checks reload ipc --trainer_gpu 0 ;;
   learn_x2)
     python3 scripts/offline_job.py --config offline_gpu --corpus full --output_dir "$RUNS/learn_x2" \
-      --generator vllm --weight_sync nccl --generator_gpu 0 --trainer_gpu 1 --retriever_gpu 1 --launcher accelerate \
+      --generator vllm --weight_sync nccl --generator_gpus 0 --trainer_gpus 1 --retriever_gpus 1 \
       $EAGER ;;
   learn_1gpu)
     sed '/^eval_sample_seed/d; s/^eval_num_samples: 500/eval_num_samples: 200/' configs/offline_gpu.yaml \
       > configs/offline_gpu_first200.yaml
     python3 scripts/offline_job.py --config offline_gpu --corpus full --output_dir "$RUNS/learn_1gpu" \
-      --generator_gpu 0 --trainer_gpu 0 --retriever_gpu 0 $EAGER > "$RUNS/learn_1gpu.log" 2>&1 &
+      --generator_gpus 0 --trainer_gpus 0 --retriever_gpus 0 $EAGER > "$RUNS/learn_1gpu.log" 2>&1 &
     python3 scripts/offline_job.py --config offline_gpu_first200 --corpus full --output_dir "$RUNS/learn_1gpu_first200" \
-      --generator_gpu 1 --trainer_gpu 1 --retriever_gpu 1 --retriever_port 8010 --generator_port 8011 $EAGER \
+      --generator_gpus 1 --trainer_gpus 1 --retriever_gpus 1 --search_url http://127.0.0.1:8010/retrieve \
+      --vllm_server_base_url http://127.0.0.1:8011 $EAGER \
       > "$RUNS/learn_1gpu_first200.log" 2>&1 &
     wait ;;
   qwen3_1_7b)
     python3 -m experiments.random_checkpoint --model Qwen/Qwen3-1.7B --out "$HOME/qwen3_1_7b"
     python3 scripts/offline_job.py --config qwen3_1_7b --model "$HOME/qwen3_1_7b" --corpus full \
-      --output_dir "$RUNS/qwen3_1_7b" --generator_gpu 0 --trainer_gpu 1 --retriever_gpu 1 --launcher accelerate \
-      --generator_gpu_memory_utilization 0.5 --vllm_tensor_parallel_size 1 --max_steps 3 --eval_strategy no \
+      --output_dir "$RUNS/qwen3_1_7b" --generator_gpus 0 --trainer_gpus 1 --retriever_gpus 1 \
+      --vllm_gpu_memory_utilization 0.5 --vllm_tensor_parallel_size 1 --max_steps 3 --eval_strategy no \
       --eval_on_start false --report_to none --save_strategy no ;;
   beat_rag)
     gpu=${2:?gpu} seed=${3:?seed}; shift 3
     python3 scripts/offline_job.py --config offline_gpu --corpus full --output_dir "$RUNS/beat_rag_s$seed" \
-      --generator_gpu "$gpu" --trainer_gpu "$gpu" --retriever_gpu "$gpu" \
-      --retriever_port $((8100 + 10 * seed)) --generator_port $((8101 + 10 * seed)) $EAGER \
+      --generator_gpus "$gpu" --trainer_gpus "$gpu" --retriever_gpus "$gpu" \
+      --search_url http://127.0.0.1:$((8100 + 10 * seed))/retrieve \
+      --vllm_server_base_url http://127.0.0.1:$((8101 + 10 * seed)) $EAGER \
       --seed "$seed" --data_seed "$seed" "$@" ;;
   async_e2e)  # the modes given ("sync_ipc async_ipc") side by side, 3 seeds each: one table in $RUNS/async_e2e
     modes=${2:?modes, e.g. "sync_ipc async_ipc"}

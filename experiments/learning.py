@@ -66,10 +66,12 @@ def launch(args) -> None:
         port = args.base_port + 10 * i
         command = [
             sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--config", args.config, "--corpus", "full",
-            "--output_dir", str(folder), "--generator_gpu", args.gpu, "--trainer_gpu", args.gpu,
-            "--retriever_gpu", args.gpu, "--retriever_port", str(port), "--generator_port", str(port + 1),
-            "--generator_gpu_memory_utilization", str(args.gpu_memory_utilization),
-            "--generator_kv_cache_gib", str(args.kv_cache_gib), *(["--generator_enforce_eager"] if args.eager else []),
+            "--output_dir", str(folder), "--generator_gpus", args.gpu, "--trainer_gpus", args.gpu,
+            "--retriever_gpus", args.gpu, "--search_url", f"http://127.0.0.1:{port}/retrieve",
+            "--vllm_server_base_url", f"http://127.0.0.1:{port + 1}",
+            "--vllm_gpu_memory_utilization", str(args.gpu_memory_utilization),
+            "--generator_kv_cache_gib", str(args.kv_cache_gib),
+            *(["--generator_enforce_eager", "true"] if args.eager else []),
             "--seed", str(seed), "--data_seed", str(seed), *shlex.split(flags),
         ]
         folder.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,8 @@ def role(process: psutil.Process) -> str:
         except psutil.Error:
             continue
         # First match wins: the trainer's command line names the vLLM server too (--vllm_server_base_url).
-        for marker, name in (("train.py", "trainer"), ("build_index", "index_build"), ("retriever_server", "retriever"),
+        for marker, name in (("train.py", "trainer"), ("cli.train", "trainer"), ("build_index", "index_build"),
+                             ("retriever_server", "retriever"),
                              ("vllm-serve", "generator"), ("VLLM::", "generator"), ("vllm.entrypoints", "generator"),
                              ("offline_job.py", "job")):
             if marker in command:

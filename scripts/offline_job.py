@@ -1,21 +1,19 @@
 """The main job on the offline default, end to end, with no Hub access:
 
-assets -> corpus slice + index -> retrieval server + vLLM server -> EM before -> GRPO training -> EM after ->
-reward/EM curves (PNG) and a summary -> servers stopped.
+assets -> corpus slice + index -> ``searchr1-launch`` (retrieval server + vLLM server + trainer: EM before, GRPO
+training, EM after) -> reward/EM curves (PNG) and a summary.
 
     python scripts/offline_job.py                     # the CPU recipe (configs/offline.yaml)
-    python scripts/offline_job.py --max_steps 2       # extra flags go to scripts/train.py
-    python scripts/offline_job.py --config offline_gpu --output_dir runs/offline_gpu --corpus full   # one GPU
+    python scripts/offline_job.py --max_steps 2       # any other flag is a recipe field (or a searchr1-launch flag)
+    python scripts/offline_job.py --config offline_gpu --corpus full                                     # one GPU
     python scripts/offline_job.py --config offline_gpu --corpus full --generator vllm --weight_sync nccl \
-        --generator_gpu 0 --trainer_gpu 1 --retriever_gpu 1 --launcher accelerate                    # two GPUs
-    python scripts/offline_job.py ... --dry_run      # print the three launch commands as JSON and exit
+        --generator_gpus 0 --trainer_gpus 1 --retriever_gpus 1                                            # two GPUs
+    python scripts/offline_job.py ... --dry_run      # print the launch commands and exit
 
-GPU plans: ``generator: vllm`` starts ``trl vllm-serve`` on ``--generator_gpu`` (its memory share is
-``--generator_gpu_memory_utilization``, low when it shares the GPU with the trainer). When generator and trainer
-share one GPU (two processes on one GPU cannot form an NCCL pair) the weights go either through CUDA IPC
-(``weight_sync: ipc``, offline_gpu's: the server is started with the IPC loader) or through a folder under
-``/dev/shm`` (``weight_sync: reload``; tmpfs: no disk in the way, and no CUDA needed); ``weight_sync: nccl`` needs
-them on different GPUs. The retriever searches on ``--retriever_gpu`` (flat index, torch backend).
+The processes, their GPUs and their lifetimes are ``searchr1-launch``'s (searchr1_trl/serving/launch.py): the plan is
+the recipe's, and a plan field on the command line changes it. This job adds the offline data: it points the recipe
+at the assets (``searchr1-assets``), the corpus it indexes and the index it builds, and reads the run's history into
+a summary.
 
 On a 2-core CPU the whole SQuAD-open corpus (31k passages) takes ~12 minutes to embed, so the job indexes a slice
 that still holds every answer it asks about: the paragraphs of the first ``--test_articles`` SQuAD dev articles
@@ -26,7 +24,6 @@ questions come only from those), and Wikipedia leads as distractors.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -38,12 +35,9 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets.offline import corpus_slice, prepare
-from searchr1_trl.engine.generation import resolve_generator  # not recipe: the job needs no torch or trl
-from searchr1_trl.serving.processes import run_reporting
-from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
-from searchr1_trl.serving.weight_sync import IPC_WORKER_EXTENSION
+from searchr1_trl.cli import launch  # the launcher plans in a child process: this one holds no trl
+from searchr1_trl.serving.launch import run_node
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("offline_job")
@@ -101,33 +95,6 @@ def plot(log_history: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def gpu_env(devices: str | None) -> dict[str, str]:
-    """The environment of a process pinned to ``devices`` (CUDA_VISIBLE_DEVICES), or nothing to change."""
-    return {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}
-
-
-def trainer_command(args, recipe: dict, data: dict, generator: VLLMServerConfig, out: Path,
-                    train_overrides: list[str]) -> list[str]:
-    """scripts/train.py with the job's data, servers and output folder, under accelerate launch if asked."""
-    launcher = [sys.executable]
-    if args.launcher == "accelerate":
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                    str(ROOT / "accelerate_configs" / "single_gpu.yaml")]
-    sync_dir = Path("/dev/shm" if Path("/dev/shm").is_dir() else out) / f"searchr1_{out.name}_weights"
-    return [
-        *launcher, str(ROOT / "scripts" / "train.py"), "--config", args.config,
-        "--model_name_or_path", data["model"], "--output_dir", str(out),
-        "--train_data_path", data["train"], "--eval_data_path", data["test"], "--eval_on_start", "true",
-        "--search_url", f"http://127.0.0.1:{args.retriever_port}/retrieve",
-        "--generator", args.generator or resolve_generator(recipe.get("generator", "vllm")),
-        *(["--weight_sync", args.weight_sync] if args.weight_sync else []),
-        "--vllm_server_base_url", generator.base_url, "--weight_sync_dir", str(sync_dir),
-        # the trainer starts while vLLM does and waits for it as long as the job would have
-        "--vllm_server_timeout", str(generator.startup_timeout_s),
-        *train_overrides,
-    ]
-
-
 def rollouts_per_step(recipe: dict, train_overrides: list[str]) -> int:
     """Training rollouts per optimizer step on one process (the generation batch)."""
     fields = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 8, **recipe}
@@ -165,92 +132,50 @@ def time_split(history: list[dict], rollouts_per_step: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="offline", help="recipe in configs/ (offline or offline_gpu)")
-    parser.add_argument("--output_dir", default="runs/offline")
+    parser.add_argument("--output_dir", help="where the run goes (default: the recipe's output_dir)")
     parser.add_argument("--corpus", choices=["slice", "full"], default="slice",
                         help="index a slice (CPU) or the whole SQuAD-open corpus (GPU)")
     parser.add_argument("--train_articles", type=int, default=10)
     parser.add_argument("--test_articles", type=int, default=2, help="SQuAD dev articles kept (validation is "
                         "the first eval_num_samples questions of the slice, unshuffled)")
     parser.add_argument("--distractors", type=int, default=500)
-    parser.add_argument("--retriever_port", type=int, default=8000)
-    parser.add_argument("--generator_port", type=int, default=8001)
-    parser.add_argument("--generator", choices=["vllm", "transformers"], help="override the recipe's generator")
-    parser.add_argument("--weight_sync", choices=["reload", "nccl", "ipc"], help="override the recipe's weight_sync")
-    parser.add_argument("--generator_gpu", help="CUDA_VISIBLE_DEVICES of the vLLM server")
-    parser.add_argument("--trainer_gpu", help="CUDA_VISIBLE_DEVICES of the trainer")
-    parser.add_argument("--retriever_gpu", help="CUDA_VISIBLE_DEVICES of the retriever; set: search on that GPU")
-    parser.add_argument("--generator_gpu_memory_utilization", type=float, default=0.3,
-                        help="vLLM's share of its GPU (low: it shares the GPU with the trainer or retriever)")
-    parser.add_argument("--generator_kv_cache_gib", type=float,
-                        help="fixed KV cache of the GPU vLLM server (for several jobs side by side on one GPU)")
-    parser.add_argument("--generator_enforce_eager", action="store_true",
-                        help="vLLM without CUDA graphs on GPU (faster start; always on for CPU)")
-    parser.add_argument("--launcher", choices=["python", "accelerate"], default="python")
     parser.add_argument("--model", help="model folder to train and serve (default: the offline model)")
-    parser.add_argument("--dry_run", action="store_true", help="print the launch commands as JSON and exit")
-    args, train_overrides = parser.parse_known_args()
-    if any(flag.split("=")[0] == "--model_name_or_path" for flag in train_overrides):
-        parser.error("--model_name_or_path would reach the trainer but not the vLLM server, which would go on serving "
-                     "the offline model; pass --model <folder>, which sets both")
+    parser.add_argument("--dry_run", action="store_true", help="print the launch commands and exit")
+    args, overrides = parser.parse_known_args()
     logging.basicConfig(level=logging.INFO, format="[offline_job %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     start = time.monotonic()
     # For every process started here: glibc's adaptive mmap threshold (up to 32 MiB) keeps freed tensors in the heap,
     # so the CPU trainer held 4.0-4.5 GiB between micro-batches instead of 3.2; blocks of 1 MiB and more are mapped
     # and unmapped instead (the job's peak 12.6 -> 11.4 GiB: python -m experiments.main_job, experiments/results).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
-    out = (ROOT / args.output_dir).resolve()
-
     recipe = yaml.safe_load((ROOT / "configs" / f"{args.config}.yaml").read_text())
-    uses_vllm = (args.generator or resolve_generator(recipe.get("generator", "vllm"))) == "vllm"
-    weight_sync = args.weight_sync or recipe.get("weight_sync", "reload")
-    if uses_vllm and weight_sync == "ipc" and args.generator_gpu != args.trainer_gpu:
-        parser.error(f"--weight_sync ipc pushes to a server on the trainer's own GPU; got --generator_gpu "
-                     f"{args.generator_gpu} and --trainer_gpu {args.trainer_gpu}")
+    out = (ROOT / (args.output_dir or recipe["output_dir"])).resolve()
     assets = prepare()
-    if args.dry_run:
-        data = {"corpus": assets.corpus, "train": assets.train_questions, "test": assets.test_questions}
-    elif args.corpus == "slice":
+    if args.corpus == "slice" and not args.dry_run:
         data = slice_data(assets, out / "data", args.train_articles, args.test_articles, args.distractors)
     else:
         data = {"corpus": assets.corpus, "train": assets.train_questions, "test": assets.test_questions}
-    data["model"] = args.model or assets.model
     index = out / "data" / "index.faiss"
-    generator = VLLMServerConfig.for_this_machine(
-        data["model"], port=args.generator_port, log_file=str(out / "vllm.log"),
-        gpu_memory_utilization=args.generator_gpu_memory_utilization, env=gpu_env(args.generator_gpu),
-        **({"enforce_eager": True} if args.generator_enforce_eager else {}),
-        **({"gpu_kv_cache_gib": args.generator_kv_cache_gib} if args.generator_kv_cache_gib else {}),
-        **({"worker_extension_cls": IPC_WORKER_EXTENSION} if weight_sync == "ipc" else {}))
-    retriever = RetrieverProcess(
-        index_path=str(index), corpus_path=data["corpus"], retriever_model=assets.embedder, port=args.retriever_port,
-        log_file=str(out / "retriever.log"), env=gpu_env(args.retriever_gpu),
-        extra_args=("--faiss_gpu", "--gpu_backend", "torch") if args.retriever_gpu is not None else ())
-    trainer = trainer_command(args, recipe, data, generator, out, train_overrides)
+    job = ["--config", args.config, "--output_dir", str(out), "--model_name_or_path", args.model or assets.model,
+           "--train_data_path", data["train"], "--eval_data_path", data["test"], "--eval_on_start", "true",
+           "--retriever_index_path", str(index), "--retriever_corpus_path", data["corpus"],
+           "--retriever_model", assets.embedder, "--retriever_name", Path(assets.embedder).name,
+           "--retriever_gpu_backend", "torch",  # exact search on any CUDA: faiss-gpu has no wheel for every one
+           *overrides]  # the command line's own flags last: they win
     if args.dry_run:
-        print(json.dumps({
-            "retriever": {"command": retriever.command(), "env": retriever.env},
-            "generator": {"command": generator.command(), "env": generator.env} if uses_vllm else None,
-            "trainer": {"command": trainer, "env": gpu_env(args.trainer_gpu)},
-        }, indent=2))
+        launch.main([*job, "--dry_run"])
         return
+    processes = launch.planned(job)
+    retriever = next(p for p in processes if p.role == "retriever")
     index.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "retriever_server.build_index", "--corpus_path", data["corpus"],
                     "--retriever_model", assets.embedder, "--index_path", str(index)], check=True,
-                   env={**os.environ, **gpu_env(args.retriever_gpu)})
-    with contextlib.ExitStack() as servers:
-        # vLLM starts up while the retriever and the trainer do (imports, model load: mostly one core each on the
-        # 2-core CPU); the trainer waits for it before its first rollout (vllm_server_timeout).
-        needs = {}
-        if uses_vllm:
-            vllm = VLLMServer(generator).launch()
-            servers.callback(vllm.stop)
-            needs["the vLLM server"] = (vllm.process, generator.log_file or "the output above")
-        servers.enter_context(retriever)
-        needs["the retrieval server"] = (retriever.process, retriever.log_file)
-        logger.info("retriever up after %.0fs; training", time.monotonic() - start)
-        # A failure says what killed the trainer and the memory it peaked at, not "died with <Signals.SIGKILL: 9>",
-        # and a server that dies under the trainer stops it at once, named.
-        run_reporting("trainer", trainer, needs=needs, env={**os.environ, **gpu_env(args.trainer_gpu)})
+                   env={**os.environ, **retriever.env})  # on the retriever's GPUs
+    # vLLM starts up while the retriever and the trainer do (imports, model load: mostly one core each on the 2-core
+    # CPU); the trainer waits for it before its first rollout. A failure says what killed the trainer and the memory
+    # it peaked at, and a server that dies under the trainer stops it at once, named.
+    run_node(processes, node=0)
+    logger.info("training done after %.0fs", time.monotonic() - start)
 
     state = json.loads((out / "trainer_state.json").read_text())
     history = state["log_history"]
@@ -270,7 +195,7 @@ def main() -> None:
         "train_searches_by_step": {e["step"]: e["rollout/searches_per_rollout"] for e in history
                                    if "rollout/searches_per_rollout" in e},
         "train_runtime_s": next((e["train_runtime"] for e in history if "train_runtime" in e), None),
-        "per_step_s": time_split(history, rollouts_per_step=rollouts_per_step(recipe, train_overrides)),
+        "per_step_s": time_split(history, rollouts_per_step=rollouts_per_step(recipe, overrides)),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     pd.DataFrame(history).to_csv(out / "log_history.csv", index=False)

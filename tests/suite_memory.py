@@ -38,7 +38,8 @@ def _label(process: psutil.Process) -> str:
     except psutil.Error:
         return "gone"
     for needle, label in (("pytest", "pytest"), ("vllm", "vllm"), ("retriever_server", "retriever"),
-                          ("offline_job", "offline job"), ("train.py", "trainer"), ("searchr1-", "console script")):
+                          ("offline_job", "offline job"), ("train.py", "trainer"), ("cli.train", "trainer"),
+                          ("searchr1-", "console script")):
         if needle in command:
             return label
     return Path(process.cmdline()[0]).name if process.cmdline() else process.name()

@@ -1,4 +1,5 @@
-"""The GPU plans of scripts/offline_job.py, checked on CPU through --dry_run (the commands it would launch)."""
+"""The plans of scripts/offline_job.py (searchr1-launch on the offline recipes, pointed at the job's data), checked on
+CPU through --dry_run (the commands it would launch)."""
 
 import contextlib
 import io
@@ -9,14 +10,18 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import pytest
 from conftest import script
+from test_launch import flag, gpus, listening, printed
+
+from searchr1_trl.serving.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def dry_run(*flags: str) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``offline_job.py --dry_run *flags``, run in this process: a fresh interpreter
-    took 4 s a plan to import torch again (one test runs the script as a command)."""
+def dry_run(*flags: str) -> tuple[int | str, str, str]:
+    """(exit code or message, stdout, stderr) of ``offline_job.py --dry_run *flags``, run in this process: a fresh
+    interpreter took 4 s a plan to import torch again (one test runs the script as a command)."""
     out, err, code = io.StringIO(), io.StringIO(), 0
     with mock.patch.object(sys, "argv", ["offline_job.py", "--dry_run", *flags]), mock.patch.dict(os.environ), \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -27,80 +32,76 @@ def dry_run(*flags: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def plan(*flags: str) -> dict:
+def plan(*flags: str) -> dict[str, tuple[dict[str, str], list[str]]]:
     code, out, err = dry_run(*flags)
-    assert code == 0, err
-    return json.loads(out)
+    assert code == 0, (code, err)
+    return printed(out)[0]
 
 
 def test_two_gpu_plan_puts_generator_trainer_and_retriever_on_their_gpus_and_syncs_over_nccl(offline_assets):
     commands = plan("--config", "offline_gpu", "--corpus", "full", "--generator", "vllm", "--weight_sync", "nccl",
-                    "--generator_gpu", "0", "--trainer_gpu", "1", "--retriever_gpu", "1", "--launcher", "accelerate")
-    generator, trainer, retriever = commands["generator"], commands["trainer"], commands["retriever"]
-    assert generator["env"] == {"CUDA_VISIBLE_DEVICES": "0"}
-    assert generator["command"][2:4] == ["trl.cli.main", "vllm-serve"]
-    assert generator["command"][generator["command"].index("--gpu_memory_utilization") + 1] == "0.3"
-    assert trainer["env"] == {"CUDA_VISIBLE_DEVICES": "1"}
-    assert trainer["command"][1:3] == ["-m", "accelerate.commands.launch"]
-    assert trainer["command"][trainer["command"].index("--config_file") + 1].endswith("single_gpu.yaml")
-    args = trainer["command"][trainer["command"].index(str(ROOT / "scripts" / "train.py")) + 1:]
-    assert args[args.index("--generator") + 1] == "vllm" and args[args.index("--weight_sync") + 1] == "nccl"
-    assert args[args.index("--vllm_server_base_url") + 1] == "http://127.0.0.1:8001"
-    assert retriever["env"] == {"CUDA_VISIBLE_DEVICES": "1"}
-    assert retriever["command"][-3:] == ["--faiss_gpu", "--gpu_backend", "torch"]
+                    "--generator_gpus", "0", "--trainer_gpus", "1", "--retriever_gpus", "1")
+    (generator_env, generator), (trainer_env, trainer) = commands["generator"], commands["trainer"]
+    assert gpus(generator_env) == {0}
+    assert generator[2:4] == ["trl.cli.main", "vllm-serve"]
+    assert flag(generator, "--gpu_memory_utilization") == "0.3"
+    assert gpus(trainer_env) == {1}
+    assert trainer[1:3] == ["-m", "accelerate.commands.launch"]
+    assert flag(trainer, "--config_file").endswith("single_gpu.yaml")
+    args = trainer[trainer.index("searchr1_trl.cli.train") + 1:]
+    assert flag(args, "--generator") == "vllm" and flag(args, "--weight_sync") == "nccl"
+    assert (flag(generator, "--host"), flag(generator, "--port")) == ("127.0.0.1", "8001")  # the recipe's URL
+    assert flag(args, "--retriever_index_path") == flag(commands["retriever"][1], "--index_path")
+    assert gpus(commands["retriever"][0]) == {1}
+    assert commands["retriever"][1][-3:] == ["--faiss_gpu", "--gpu_backend", "torch"]
 
 
-def test_one_gpu_plan_pushes_weights_through_a_tmpfs_folder_and_passes_extra_flags_to_the_trainer(offline_assets):
-    commands = plan("--config", "offline", "--generator_gpu", "0", "--trainer_gpu", "0", "--max_steps", "7")
-    args = commands["trainer"]["command"]
-    assert args[0] == sys.executable and args[1].endswith("train.py")
-    assert args[args.index("--weight_sync_dir") + 1].startswith("/dev/shm/")
+def test_one_cpu_plan_pushes_weights_through_a_tmpfs_folder_and_passes_extra_flags_to_the_trainer(offline_assets):
+    commands = plan("--config", "offline", "--max_steps", "7")
+    env, args = commands["trainer"]
+    assert args[:3] == [sys.executable, "-m", "searchr1_trl.cli.train"] and gpus(env) == set()
+    assert flag(args, "--weight_sync_dir").startswith("/dev/shm/")
+    assert flag(args, "--output_dir") == str(ROOT / "runs" / "offline")  # the recipe's, from the repository
     assert args[-2:] == ["--max_steps", "7"]  # after the job's own flags, so the user's value wins
-    assert commands["retriever"]["env"] == {} and "--faiss_gpu" not in commands["retriever"]["command"]
+    assert gpus(commands["retriever"][0]) == set() and "--faiss_gpu" not in commands["retriever"][1]
 
 
 def test_a_recipe_without_vllm_starts_no_generator_server(offline_assets):
     commands = plan("--config", "offline_gpu", "--generator", "transformers")
-    assert commands["generator"] is None
-    args = commands["trainer"]["command"]
-    assert args[args.index("--generator") + 1] == "transformers"
+    assert "generator" not in commands
+    assert flag(commands["trainer"][1], "--generator") == "transformers"
 
 
 def test_an_ipc_plan_serves_on_the_trainers_gpu_with_the_ipc_loader_and_refuses_two_gpus(offline_assets):
-    commands = plan("--config", "offline_gpu", "--corpus", "full", "--generator", "vllm", "--weight_sync", "ipc",
-                    "--generator_gpu", "0", "--trainer_gpu", "0")
-    generator = commands["generator"]["command"]
-    assert generator[generator.index("--worker-extension-cls") + 1] == (
-        "searchr1_trl.serving.weight_sync.IpcWeightLoader")
-    args = commands["trainer"]["command"]
-    assert args[args.index("--weight_sync") + 1] == "ipc"
-    default = plan("--config", "offline_gpu", "--generator", "vllm")  # the recipe's own push since 2026-12-05
-    assert "--worker-extension-cls" in default["generator"]["command"]
-    assert "--weight_sync" not in default["trainer"]["command"]  # the recipe says ipc; the job adds nothing
-    reload = plan("--config", "offline_gpu", "--generator", "vllm", "--weight_sync", "reload")["generator"]["command"]
+    commands = plan("--config", "offline_gpu", "--corpus", "full", "--generator", "vllm", "--weight_sync", "ipc")
+    generator = commands["generator"][1]
+    assert flag(generator, "--worker-extension-cls") == "searchr1_trl.serving.weight_sync.IpcWeightLoader"
+    assert gpus(commands["generator"][0]) == gpus(commands["trainer"][0]) == {0}
+    default = plan("--config", "offline_gpu", "--generator", "vllm")  # the recipe's own push
+    assert "--worker-extension-cls" in default["generator"][1]
+    assert "--weight_sync" not in default["trainer"][1]  # the recipe says ipc; the job adds nothing
+    reload = plan("--config", "offline_gpu", "--generator", "vllm", "--weight_sync", "reload")["generator"][1]
     assert "--worker-extension-cls" not in reload
     # the script itself, as a command
     refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--dry_run", "--config",
-                              "offline_gpu", "--generator", "vllm", "--weight_sync", "ipc", "--generator_gpu", "0",
-                              "--trainer_gpu", "1"], capture_output=True, text=True, cwd=ROOT)
-    assert refused.returncode == 2
-    assert "--weight_sync ipc pushes to a server on the trainer's own GPU; got --generator_gpu 0 and --trainer_gpu 1" \
-        in refused.stderr
-    # the recipe's default push too: two GPUs need --weight_sync nccl, as the recipe's two-GPU command passes
-    code, _, err = dry_run("--config", "offline_gpu", "--generator", "vllm", "--generator_gpu", "0",
-                           "--trainer_gpu", "1")
-    assert code == 2 and "--weight_sync ipc pushes to a server on the trainer's own GPU" in err
+                              "offline_gpu", "--generator", "vllm", "--weight_sync", "ipc", "--generator_gpus", "0",
+                              "--trainer_gpus", "1"], capture_output=True, text=True, cwd=ROOT)
+    assert refused.returncode == 1
+    assert ("error: weight_sync=ipc pushes to a server on the trainer's own GPU: got generator_gpus [0] on machine 0 "
+            "and trainer_gpus [1]") in refused.stderr
+    # the recipe's default push too: two GPUs need --weight_sync nccl
+    code, _, _ = dry_run("--config", "offline_gpu", "--generator", "vllm", "--trainer_gpus", "1")
+    assert "weight_sync=ipc pushes to a server on the trainer's own GPU" in str(code)
 
 
-def test_another_model_is_served_and_trained_through_model_and_refused_through_model_name_or_path(offline_assets):
-    commands = plan("--config", "offline_gpu", "--generator", "vllm", "--model", "/models/Qwen2.5-Coder-1.5B-Instruct")
-    assert commands["generator"]["command"][commands["generator"]["command"].index("--model") + 1] == (
-        "/models/Qwen2.5-Coder-1.5B-Instruct")
-    args = commands["trainer"]["command"]
-    assert [args[i + 1] for i, flag in enumerate(args) if flag == "--model_name_or_path"] == [
-        "/models/Qwen2.5-Coder-1.5B-Instruct"]
-    code, _, err = dry_run("--config", "offline_gpu", "--model_name_or_path", "/models/Qwen2.5-Coder-1.5B-Instruct")
-    assert code == 2 and "pass --model <folder>, which sets both" in err
+def test_another_model_is_served_and_trained_through_model_or_model_name_or_path(offline_assets):
+    for flags in (("--model", "/models/Qwen2.5-Coder-1.5B-Instruct"),
+                  ("--model_name_or_path", "/models/Qwen2.5-Coder-1.5B-Instruct")):
+        commands = plan("--config", "offline_gpu", "--generator", "vllm", *flags)
+        assert flag(commands["generator"][1], "--model") == "/models/Qwen2.5-Coder-1.5B-Instruct"
+        args = commands["trainer"][1]
+        assert [args[i + 1] for i, f in enumerate(args) if f == "--model_name_or_path"][-1] == (
+            "/models/Qwen2.5-Coder-1.5B-Instruct")
 
 
 def test_the_summary_splits_a_step_into_push_rollouts_scoring_and_update():
@@ -110,3 +111,21 @@ def test_the_summary_splits_a_step_into_push_rollouts_scoring_and_update():
     assert script("offline_job").time_split(history, rollouts_per_step=64) == {
         "step": 7.0, "rollout": 2.0, "weight_sync": 0.5, "scoring": 1.0, "policy_update": 3.5,
         "evaluation_each": 5.0, "rollout_tokens_per_s": 200.0, "rollouts_per_s": 32.0}
+
+
+@pytest.mark.slow
+def test_the_cpu_job_trains_through_the_launcher_and_leaves_no_server_behind(offline_assets, tmp_path):
+    retriever_port, generator_port = free_port(), free_port()
+    out = tmp_path / "job"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--output_dir", str(out), "--train_articles", "1",
+         "--test_articles", "1", "--distractors", "20", "--max_steps", "1", "--eval_num_samples", "2",
+         "--gradient_accumulation_steps", "2", "--report_to", "none",
+         "--search_url", f"http://127.0.0.1:{retriever_port}/retrieve",
+         "--vllm_server_base_url", f"http://127.0.0.1:{generator_port}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and list(summary["eval_em_by_step"]) == [0, 1]  # EM before and after
+    assert (out / "retriever.log").stat().st_size and (out / "vllm.log").stat().st_size
+    assert not listening(retriever_port) and not listening(generator_port)

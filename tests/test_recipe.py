@@ -422,35 +422,3 @@ def test_offline_asset_paths_follow_searchr1_cache(tmp_path, monkeypatch):
     assert assets.resolve_path("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
     monkeypatch.delenv("SEARCHR1_CACHE")
     assert assets.resolve_path("${SEARCHR1_CACHE}/m") == str(assets.cache_dir() / "m")
-
-
-def _flags(tokens: list[str]) -> tuple[str, set[tuple[str, str | None]]]:
-    """(model, {(flag, value or None)}) of a ``vllm serve`` argument list, flags at vLLM's defaults left out."""
-    defaults = {("--data-parallel-size", "1"), ("--dtype", "auto"), ("--kv-cache-dtype", "auto"),
-                ("--uvicorn-log-level", "info"), ("--tensor-parallel-size", "1"), ("--gpu-memory-utilization", "0.9")}
-    pairs, i = set(), 1
-    while i < len(tokens):
-        value = tokens[i + 1] if i + 1 < len(tokens) and not tokens[i + 1].startswith("--") else None
-        pairs.add((tokens[i], value))
-        i += 1 if value is None else 2
-    return tokens[0], pairs - defaults
-
-
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_a_recipes_vllm_serve_line_is_the_server_its_trl_vllm_serve_line_runs(recipe):
-    # TRL 1.16 deprecates `trl vllm-serve`, which now execs `vllm serve` with TRL's flags: the header shows both,
-    # and the second must stay the server the first starts (the one every server test trains against).
-    import shlex
-
-    from trl.scripts.vllm_serve import build_command, make_parser
-
-    commands = [line[4:] for line in (CONFIGS / f"{recipe}.yaml").read_text().splitlines() if line.startswith("#   ")]
-    [wrapped] = [line for line in commands if "trl vllm-serve " in line]
-    [direct] = [line for line in commands if "vllm serve " in line]
-    env, _, args = wrapped.partition("trl vllm-serve ")
-    script_args, extra = make_parser().parse_args_and_config(args=shlex.split(args), return_remaining_strings=True)
-    command = build_command(script_args, extra)
-
-    shown_env, _, shown = direct.partition("vllm serve ")
-    assert shown_env == f"{env}VLLM_SERVER_DEV_MODE=1 "
-    assert _flags(shlex.split(shown)) == _flags(command[command.index("serve") + 1:])

@@ -5,9 +5,9 @@
     accelerate launch --config_file accelerate_configs/zero3.yaml scripts/train.py --config qwen3_8b
 
 Shipped recipes (``configs/`` in the repository, ``searchr1_trl/recipes`` in the installed package):
-offline, offline_gpu, qwen3_1_7b, qwen3_8b, qwen3_30b_a3b, muse_glimmer_30b; each YAML starts with its GPU plan and
-the commands that start its generator (``trl vllm-serve``) and retriever (``searchr1-retriever``), which must be
-running. A recipe this machine cannot run stops in one line naming what is missing and what to run instead.
+offline, offline_gpu, qwen3_1_7b, qwen3_8b, qwen3_30b_a3b, muse_glimmer_30b; each ends with its plan (GPUs, machines,
+what the retriever serves), which ``searchr1-launch --config <recipe>`` starts: the generator and the retriever must
+be running. A recipe this machine cannot run stops in one line naming what is missing and what to run instead.
 """
 
 from __future__ import annotations

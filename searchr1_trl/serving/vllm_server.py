@@ -30,6 +30,9 @@ from searchr1_trl.serving.processes import owned_popen
 
 logger = logging.getLogger(__name__)
 
+# The server's --worker-extension-cls for weight_sync ipc (the class lives in weight_sync.py, which imports torch).
+IPC_WORKER_EXTENSION = "searchr1_trl.serving.weight_sync.IpcWeightLoader"
+
 
 @dataclass
 class VLLMServerConfig:
@@ -96,7 +99,7 @@ class VLLMServerConfig:
         return cls(model=model, **{**cpu, **overrides})
 
     def command(self) -> list[str]:
-        kv_cache_gib = self.cpu_kv_cache_gib if cpu_build() else self.gpu_kv_cache_gib
+        """``trl vllm-serve`` with this config."""
         return [
             sys.executable, "-m", "trl.cli.main", "vllm-serve",
             "--model", self.model, "--host", self.host, "--port", str(self.port),
@@ -107,10 +110,38 @@ class VLLMServerConfig:
             *(["--enforce_eager", "true"] if self.enforce_eager else []),
             *(["--distributed_executor_backend", self.distributed_executor_backend]
               if self.distributed_executor_backend else []),
-            # vLLM's own flags, which trl vllm-serve passes on
+            *self._vllm_flags(),  # trl vllm-serve passes vLLM's own flags on
+        ]
+
+    def vllm_serve_command(self) -> list[str]:
+        """vLLM's own ``vllm serve`` running the server :meth:`command` starts: the flags TRL 1.16's wrapper adds
+        (the NCCL weight transfer, processed log-probs, no log-prob cap) included. It needs ``VLLM_SERVER_DEV_MODE=1``
+        in its environment, as the wrapper sets it, for the weight-push and prefix-cache routes."""
+        return [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
+            "--host", self.host, "--port", str(self.port), "--max-model-len", str(self.max_model_len),
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+            "--tensor-parallel-size", str(self.tensor_parallel_size), "--dtype", self.dtype, "--model-impl", "vllm",
+            *(["--enforce-eager"] if self.enforce_eager else []),
+            *(["--distributed-executor-backend", self.distributed_executor_backend]
+              if self.distributed_executor_backend else []),
+            "--weight-transfer-config", '{"backend": "nccl"}', "--logprobs-mode", "processed_logprobs",
+            "--max-logprobs", "-1", *self._vllm_flags(),
+        ]
+
+    def _vllm_flags(self) -> list[str]:
+        kv_cache_gib = self.cpu_kv_cache_gib if cpu_build() else self.gpu_kv_cache_gib
+        return [
             *(["--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))] if kv_cache_gib else []),
             *(["--worker-extension-cls", self.worker_extension_cls] if self.worker_extension_cls else []),
         ]
+
+    def launch_env(self) -> dict[str, str]:
+        """Environment the server needs beyond :attr:`env`, where the caller's own does not set it: vLLM's engine in
+        the server's process for ``uni`` (else vLLM's CPU platform turns uni into mp), and no Hub look-up for a model
+        that is a local folder."""
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.distributed_executor_backend == "uni" else {}
+        return {**env, **({"HF_HUB_OFFLINE": "1"} if Path(self.model).exists() else {})}
 
 
 class VLLMServer:
@@ -136,11 +167,7 @@ class VLLMServer:
         if self.healthy():  # else the new server fails to bind while /health answers from the old one
             raise RuntimeError(f"{self.base_url} already answers /health: another server holds port "
                                f"{self.config.port}; stop it or choose another port")
-        env = {**os.environ, **self.config.env}
-        if self.config.distributed_executor_backend == "uni":
-            # else vLLM's CPU platform turns uni into mp; the server keeps its engine in a process of its own anyway
-            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        env.setdefault("HF_HUB_OFFLINE", "1" if Path(self.config.model).exists() else env.get("HF_HUB_OFFLINE", "0"))
+        env = {**self.config.launch_env(), **os.environ, **self.config.env}
         # Open for the server's lifetime, closed by stop().
         self._log = open(self.config.log_file, "ab") if self.config.log_file else None  # noqa: SIM115
         logger.info("starting vLLM server: %s", " ".join(self.config.command()))

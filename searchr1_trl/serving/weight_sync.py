@@ -45,6 +45,7 @@ from typing import Protocol
 import torch
 
 from searchr1_trl.serving.vllm_server import (
+    IPC_WORKER_EXTENSION,  # noqa: F401 (re-exported: the class it names lives here)
     collective_rpc,
     cpu_build,
     pause_generation,
@@ -56,7 +57,6 @@ from searchr1_trl.serving.vllm_server import (
 logger = logging.getLogger(__name__)
 
 WEIGHT_SYNC_MARKER = ".searchr1_weight_sync"  # in every weight-sync folder a push writes
-IPC_WORKER_EXTENSION = "searchr1_trl.serving.weight_sync.IpcWeightLoader"  # the server's --worker-extension-cls for ipc
 
 
 class WeightPush(Protocol):

@@ -1,10 +1,10 @@
 """Checks a recipe's plan before anything heavy starts, so a bad plan fails in one line that says what to change.
 
 Checked: required fields, the generator's tensor parallel size against the model's KV heads (vLLM shards KV heads,
-so TP must divide them), local files (data files row by row), that the weight-sync folder holds nothing a push did
-not write, and (optionally) that the retrieval and generator servers answer. KV head counts come from the model's
-config when it can be read (local folder or Hub cache), else from the published numbers below, so recipes validate
-offline.
+so TP must divide them), the launch plan's GPUs (:func:`~searchr1_trl.serving.launch.check_plan`), local files (data
+files row by row), that the weight-sync folder holds nothing a push did not write, and (optionally) that the
+retrieval and generator servers answer. KV head counts come from the model's config when it can be read (local folder
+or Hub cache), else from the published numbers below, so recipes validate offline.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from pathlib import Path
 import httpx
 
 from searchr1_trl.assets.shapes import PUBLISHED_CONFIGS
+from searchr1_trl.serving.launch import check_plan
 from searchr1_trl.serving.weight_sync import check_sync_folder_is_ours, reload_folder
 from searchr1_trl.tasks.search_r1.data import load_samples
 from searchr1_trl.tasks.search_r1.retrieval import check_retriever
+from searchr1_trl.training.recipe import part_config
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +114,10 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         raise PlanError(f"vllm_tensor_parallel_size={tp} does not divide the {heads} KV heads of {model}: "
                         f"use one of {divisors}")
+    try:
+        check_plan(part_config(args, "launch"), args.generator, args.weight_sync, tp)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
     if args.generator == "vllm" and args.weight_sync == "reload":
         try:  # at the first push, minutes into the run, would be too late to say it
             check_sync_folder_is_ours(reload_folder(args))

@@ -46,6 +46,7 @@ from searchr1_trl.engine.generation import (
     resolve_generator,
 )
 from searchr1_trl.engine.rollout import RolloutConfig
+from searchr1_trl.serving.launch import LaunchConfig
 from searchr1_trl.tasks.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
 from searchr1_trl.tasks.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
 from searchr1_trl.tasks.search_r1.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
@@ -80,6 +81,7 @@ PARTS: dict[str, Any] = {
     "warm_start": WarmStartConfig(),  # off: no traces
     "collapse_guard": CollapseGuardConfig(),  # on wherever training validates
     "async_rollouts": AsyncRolloutsConfig(),  # off: lock-step rollouts
+    "launch": LaunchConfig(),  # searchr1-launch's plan: one machine, every process on the CPU
 }
 
 # Knobs of the parts that are no recipe field, because build_task derives them.
@@ -281,6 +283,24 @@ class SearchR1Config(GRPOConfig):
     generator_max_concurrency: int = knob("vllm_generator", "max_concurrency")
     generator_timeout_s: float = knob("vllm_generator", "timeout_s")
     generator_max_batch_size: int = knob("transformers_generator", "max_batch_size")
+
+    # --- the launch plan: machines, GPUs, what the retriever serves (searchr1_trl/serving/launch.py) ---
+    nodes: int = knob("launch", "nodes")
+    trainer_gpus: list[int] | None = knob("launch", "trainer_gpus")
+    trainer_nodes: int = knob("launch", "trainer_nodes")
+    accelerate_config: str | None = knob("launch", "accelerate_config")
+    generator_gpus: list[int] | None = knob("launch", "generator_gpus")
+    generator_node: int = knob("launch", "generator_node")
+    generator_server: str = knob("launch", "generator_server")
+    generator_enforce_eager: bool = knob("launch", "generator_enforce_eager")
+    generator_kv_cache_gib: float | None = knob("launch", "generator_kv_cache_gib")
+    retriever_gpus: list[int] | None = knob("launch", "retriever_gpus")
+    retriever_node: int = knob("launch", "retriever_node")
+    retriever_index_path: str | None = knob("launch", "retriever_index_path")
+    retriever_corpus_path: str | None = knob("launch", "retriever_corpus_path")
+    retriever_model: str | None = knob("launch", "retriever_model")
+    retriever_name: str | None = knob("launch", "retriever_name")
+    retriever_gpu_backend: str = knob("launch", "retriever_gpu_backend")
 
     def __post_init__(self):
         self.generator = resolve_generator(self.generator)
@@ -503,7 +523,7 @@ def recipe_values(argv: list[str]) -> dict[str, Any]:
         values.pop("env", None)  # environment variables for the run, not fields
         parser.set_defaults_with_config(**values)
         del argv[i:i + 2]
-    return vars(parser.parse_known_args(argv)[0])
+    return vars(parser.parse_args(argv))  # an unknown field is an error (RecipeParser.error), as in training
 
 
 def load_recipe(argv: list[str] | None = None) -> tuple[SearchR1Config, ModelConfig]:
