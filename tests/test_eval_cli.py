@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,11 +83,65 @@ def test_eval_writes_a_table_per_method_and_source_json_and_one_trace_per_questi
     table = (out / "results.md").read_text().splitlines()
     assert table[0] == ("| method | checkpoint | squad_even (n=2) | squad_odd (n=2) | average | searches / rollout "
                         "| failed searches |")
-    assert [row.split(" | ")[0] for row in table[2:]] == ["| direct", "| rag", "| agent"]
+    assert [row.split(" | ")[0] for row in table[2:5]] == ["| direct", "| rag", "| agent"]
+    assert re.fullmatch(r"\*\*\d\.\d{3}\*\* / \d\.\d{3}", table[2].split(" | ")[4])  # EM / token F1
+    assert table[5:] == ["", "EM / token F1, greedy."]  # no checkpoint recipe, no flag of the policy
     rows = json.loads((out / "results.json").read_text())["results"]
     assert set(rows[0]) >= {"em", "average", "searches_per_rollout", "turns_per_rollout", "closed_turns_per_rollout",
                             "status", "num_samples"}
     assert rows[1]["searches_per_rollout"] == 1.0 and rows[0]["searches_per_rollout"] == 0.0
+
+
+def trained_checkpoint(tiny_model_dir, folder: Path, **recipe) -> Path:
+    """The tiny model saved with the recipe it was trained with, as the trainer saves every checkpoint."""
+    from searchr1_trl.training.as_trained import save_recipe
+    from searchr1_trl.training.recipe import SearchR1Config
+
+    shutil.copytree(tiny_model_dir, folder)
+    save_recipe(SearchR1Config(output_dir=str(folder), use_cpu=True, bf16=False, report_to="none", **recipe), folder)
+    return folder
+
+
+TRAINED = dict(max_turns=2, max_tokens_per_turn=8, topk=2, restate_question=True, bare_json_tool_calls=True,
+               search_url="http://10.0.0.2:8000/retrieve")
+
+
+def test_eval_without_flags_runs_a_checkpoint_with_the_settings_it_was_trained_with(tiny_model_dir,
+                                                                                   two_source_questions, tmp_path):
+    checkpoint = trained_checkpoint(tiny_model_dir, tmp_path / "checkpoint-50", **TRAINED)
+    run = ["--checkpoints", str(checkpoint), "--data", two_source_questions, "--num_samples", "1", "--methods",
+           "direct", "--generator", "transformers"]
+    eval_cli.main([*run, "--output_dir", str(tmp_path / "as_trained")])
+
+    settings = json.loads((tmp_path / "as_trained" / "settings.json").read_text())
+    assert {k: settings[k] for k in TRAINED if k != "search_url"} == {k: v for k, v in TRAINED.items()
+                                                                      if k != "search_url"}
+    assert settings["search_url"] == "http://127.0.0.1:8000/retrieve"  # this machine's retriever, not the run's
+    table = (tmp_path / "as_trained" / "results.md").read_text()
+    assert ("As trained (the checkpoints' recipes): bare_json_tool_calls=True, max_tokens_per_turn=8, max_turns=2, "
+            "restate_question=True, topk=2.") in table
+
+    eval_cli.main([*run, "--output_dir", str(tmp_path / "flagged"), "--max_tokens_per_turn", "4"])
+    settings = json.loads((tmp_path / "flagged" / "settings.json").read_text())
+    assert (settings["max_tokens_per_turn"], settings["max_turns"], settings["topk"]) == (4, 2, 2)
+    assert "Set by flags: max_tokens_per_turn=4 (trained: 8)." in (tmp_path / "flagged" / "results.md").read_text()
+
+
+def test_checkpoints_trained_otherwise_share_an_evaluation_only_where_a_flag_sets_the_difference(tiny_model_dir,
+                                                                                               tmp_path):
+    from searchr1_trl.training.as_trained import policy_as_trained
+
+    first = trained_checkpoint(tiny_model_dir, tmp_path / "a", max_turns=2)
+    second = trained_checkpoint(tiny_model_dir, tmp_path / "b", max_turns=3)
+    base = str(tiny_model_dir)  # a base model records no recipe: it runs with the others' settings
+    with pytest.raises(ValueError, match=rf"trained with different max_turns \({first}: 2, {second}: 3\); evaluate "
+                                         r"them apart or set --max_turns"):
+        policy_as_trained([base, str(first), str(second)], eval_cli.PolicyConfig(), set())
+    policy, source = policy_as_trained([base, str(first), str(second)], eval_cli.PolicyConfig(max_turns=4),
+                                       {"max_turns"})
+    assert policy.max_turns == 4 and source["flags"] == {"max_turns": (4, 2)}
+    policy, _ = policy_as_trained([base, str(first)], eval_cli.PolicyConfig(), set())
+    assert policy.max_turns == 2
 
 
 def test_a_killed_evaluation_keeps_every_finished_trace_and_the_rerun_adds_only_the_missing(tiny_model_dir,

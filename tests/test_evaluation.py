@@ -111,6 +111,17 @@ def test_summary_gives_em_overall_and_per_source_searches_and_status_fractions()
     assert summary["num_samples"] == 5
 
 
+def test_token_f1_stands_beside_em_per_trace_per_source_and_in_the_average():
+    answered = [{"role": "assistant", "content": "The Denver Broncos team"}]
+    assert evaluation.answer_f1(answered, ["Denver Broncos", "Broncos"]) == pytest.approx(0.8)  # the best gold
+    assert evaluation.answer_f1([{"role": "assistant", "content": ""}], ["Denver"]) == 0.0  # no answer
+    traces = [trace("nq", True, 1), trace("nq", False, 1), trace("hotpotqa", False, 1)]
+    traces[0].f1, traces[1].f1, traces[2].f1 = 1.0, 0.5, 0.25
+    summary = evaluation.summarize(traces)
+    assert (summary["f1"], summary["f1/nq"], summary["f1/hotpotqa"]) == (pytest.approx(1.75 / 3), 0.75, 0.25)
+    assert evaluation.macro_average(summary, "f1") == pytest.approx((0.75 + 0.25) / 2)
+
+
 def test_a_trace_with_a_failed_search_is_counted_apart_and_left_out_of_the_em():
     traces = [trace("nq", True, 1), trace("nq", False, 1, evaluation.SEARCH_FAILED), trace("hotpotqa", False, 1,
                                                                                          evaluation.SEARCH_FAILED)]

@@ -15,9 +15,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
+from searchr1_trl.cli.eval import PolicyConfig
 from searchr1_trl.serving.vllm_server import reload_weights
 from searchr1_trl.serving.weight_sync import save_for_reload, weight_push
 from searchr1_trl.tasks.search_r1.data import SearchR1Dataset
+from searchr1_trl.training.as_trained import RECIPE_FILE, policy_as_trained
 from searchr1_trl.training.recipe import build_task, part_config
 from searchr1_trl.training.trainer import STREAM_STATE_FILE, SearchR1Config, SearchR1Trainer
 
@@ -336,6 +338,11 @@ def test_a_resumed_run_draws_the_same_questions_as_an_uninterrupted_one(tiny_mod
     killed, args = run("killed", callbacks=[StopAfter(2)])
     checkpoint = Path(args.output_dir) / "checkpoint-2"
     assert json.loads((checkpoint / STREAM_STATE_FILE).read_text())["cursor"] == 2 * questions_per_step
+    # the checkpoint carries its recipe, and searchr1-eval without flags runs it with the recipe's settings
+    recorded = json.loads((checkpoint / RECIPE_FILE).read_text())
+    assert (recorded["max_turns"], recorded["max_tokens_per_turn"]) == (1, 8)
+    as_trained, _ = policy_as_trained([str(checkpoint)], PolicyConfig(), set())
+    assert (as_trained.max_turns, as_trained.max_tokens_per_turn, as_trained.bare_json_tool_calls) == (1, 8, True)
     resumed, _ = run("killed", resume=str(checkpoint))
     # an uninterrupted run draws the stream in order (training it too cost 3 steps of CPU for the same list)
     fresh = SearchR1Dataset(part_config(args, "train_stream"))

@@ -9,9 +9,13 @@
 Methods (searchr1_trl/training/evaluation.py): ``direct`` answers closed-book, ``rag`` reads the top-k passages for the
 question
 pasted into its prompt (one turn), ``agent`` is the multi-turn search rollout the policy is trained on; all greedy,
-with the same retriever, top-k and budgets. The env and rollout flags are the training recipe's (same names and
-defaults): give the agent the values it was trained with (the offline recipes: ``--restate_question true
---bare_json_tool_calls true --close_tool_calls true --max_turns 3 --topk 3 --max_tokens_per_turn 128``).
+with the same retriever, top-k and budgets. The env and rollout settings are the training recipe's fields: a
+checkpoint the trainer saved records the recipe it was trained with, and every method runs with its settings
+(searchr1_trl/training/as_trained.py); a flag (same names as the recipe) overrides one, and the table says which.
+
+The paper's table in one command: ``--data PeterJinGo/nq_hotpotqa_train`` (its test.parquet holds the seven test
+sets, told apart by ``data_source``: nq, triviaqa, popqa, hotpotqa, 2wikimultihopqa, musique, bamboogle). Each cell
+is EM / token F1.
 
 Questions: from each data file, each ``data_source`` separately, a seeded random sample of ``num_samples`` rows
 (the first ``num_samples`` of one seeded permutation, so a larger sample extends a smaller one), not the first rows.
@@ -50,6 +54,7 @@ from pathlib import Path
 from searchr1_trl.tasks.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
 from searchr1_trl.tasks.search_r1.retrieval import check_retriever
 from searchr1_trl.training import evaluation
+from searchr1_trl.training.as_trained import describe, given_fields, policy_as_trained
 from searchr1_trl.training.recipe import knob_fields, part_config
 
 # The recipe's env, rollout and per-turn fields, with its names, defaults and help: the agent runs as it trained.
@@ -249,7 +254,9 @@ def results(records: list[dict], methods: list[str]) -> list[dict]:
             rows.append({
                 "method": method, "checkpoint": checkpoint,
                 "em": {k.removeprefix("em/"): v for k, v in summary.items() if k.startswith("em/")},
+                "f1": {k.removeprefix("f1/"): v for k, v in summary.items() if k.startswith("f1/")},
                 "average": evaluation.macro_average(summary),
+                "average_f1": evaluation.macro_average(summary, "f1"),
                 "searches_per_rollout": summary["searches_per_rollout"],
                 "turns_per_rollout": summary["turns_per_rollout"],
                 "closed_turns_per_rollout": summary["closed_turns_per_rollout"],
@@ -260,18 +267,22 @@ def results(records: list[dict], methods: list[str]) -> list[dict]:
     return rows
 
 
-def markdown_table(rows: list[dict], per_source: dict[str, int]) -> str:
-    """Rows method x checkpoint, columns the data sources and their average (EM, 3 decimals), and the traces with a
-    failed search, which the EM leaves out (a rerun generates them again)."""
+def markdown_table(rows: list[dict], per_source: dict[str, int], source: dict[str, dict] | None = None) -> str:
+    """Rows method x checkpoint, columns the data sources and their average (EM / token F1, 3 decimals), and the
+    traces with a failed search, which the scores leave out (a rerun generates them again); below, the settings that
+    came from the checkpoints' recipes and those a flag set (``source``, :func:`policy_as_trained`)."""
     sources = sorted(per_source)
     header = ["method", "checkpoint", *(f"{s} (n={per_source[s]})" for s in sources), "average",
               "searches / rollout", "failed searches"]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    nan = float("nan")
     for row in rows:
-        cells = [row["method"], f"`{row['checkpoint']}`", *(f"{row['em'].get(s, float('nan')):.3f}" for s in sources),
-                 f"**{row['average']:.3f}**", f"{row['searches_per_rollout']:.2f}", str(row["search_failed"])]
+        cells = [row["method"], f"`{row['checkpoint']}`",
+                 *(f"{row['em'].get(s, nan):.3f} / {row['f1'].get(s, nan):.3f}" for s in sources),
+                 f"**{row['average']:.3f}** / {row['average_f1']:.3f}", f"{row['searches_per_rollout']:.2f}",
+                 str(row["search_failed"])]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", "EM / token F1, greedy.", *describe(source or {})]) + "\n"
 
 
 # ---- main ------------------------------------------------------------------------------------------------------
@@ -320,8 +331,9 @@ async def _evaluate_checkpoint(config: EvalConfig, policy, index: int,
         await generator.aclose()
 
 
-def evaluate(config: EvalConfig, policy) -> list[dict]:
-    """Generate every missing trace, then write results.json and results.md; returns the table rows."""
+def evaluate(config: EvalConfig, policy, source: dict[str, dict] | None = None) -> list[dict]:
+    """Generate every missing trace, then write results.json and results.md (``source``: where the settings came
+    from, :func:`policy_as_trained`); returns the table rows."""
     questions = load_questions(config)
     per_source: dict[str, int] = defaultdict(int)
     for _, sample in questions:
@@ -344,10 +356,10 @@ def evaluate(config: EvalConfig, policy) -> list[dict]:
     records = [r for r in traces.records.values() if r["key"] in keys]
     rows = results(records, config.methods)
     (out / RESULTS_JSON).write_text(json.dumps({
-        "config": asdict(config), "policy": asdict(policy),
+        "config": asdict(config), "policy": asdict(policy), "policy_source": source,
         "num_samples_per_source": dict(per_source), "results": rows,
     }, indent=2))
-    (out / RESULTS_MD).write_text(markdown_table(rows, dict(per_source)))
+    (out / RESULTS_MD).write_text(markdown_table(rows, dict(per_source), source))
     return rows
 
 
@@ -362,11 +374,13 @@ def main(argv: list[str] | None = None) -> None:
                           formatter_class=_HelpFormatter, prog="searchr1-eval")
     logging.basicConfig(level=logging.INFO, format="[searchr1-eval] %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the progress bar
+    argv = sys.argv[1:] if argv is None else argv
     try:
         config, policy = parser.parse_args_and_config(args=argv)
         if not config.checkpoints or not config.data:
             raise ValueError("give --checkpoints and --data (see --help)")
-        rows = evaluate(config, policy)
+        policy, source = policy_as_trained(config.checkpoints, policy, given_fields(argv))
+        rows = evaluate(config, policy, source)
     except ValueError as error:
         sys.exit(f"error: {error}")
     out = Path(config.output_dir)

@@ -56,6 +56,7 @@ from searchr1_trl.tasks.search_r1.rubric import (
     normalized_golds,
     passages_hold_gold,
     search_results,
+    token_f1,
 )
 
 METHODS = ("direct", "rag", "agent")
@@ -82,6 +83,15 @@ def exact_match(messages: Sequence[dict], golden_answers: Sequence[str]) -> bool
     return RewardExactMatch().correct(messages, golden_answers)
 
 
+def answer_f1(messages: Sequence[dict], golden_answers: Sequence[str]) -> float:
+    """SQuAD token F1 of the final answer against its best golden answer (0 without one): the partial credit every
+    table shows beside EM. ``"Denver Broncos team"`` against ``["Denver Broncos"]`` -> 0.8."""
+    answer, golds = final_answer(messages), normalized_golds(golden_answers)
+    if answer is None or not golds:
+        return 0.0
+    return max(token_f1(normalize_answer(answer), gold) for gold in golds)
+
+
 def passage_titles(passages: str) -> list[str]:
     """The titles of formatted passages: ``"Doc 1(Title: Paris) The capital..."`` -> ``["Paris"]``."""
     return _TITLE.findall(passages)
@@ -103,6 +113,7 @@ class Trace:
     messages: list[dict] = field(default_factory=list)
     gold_in_first_search: bool | None = None  # whether the first search's passages hold a golden answer; None: none
     closed_turns: int = 0  # tool calls the engine closed (``close_tool_calls``): what the model leaves to the engine
+    f1: float = 0.0  # token F1 of the answer (answer_f1); 0 when a search failed
 
 
 def _searches(messages: Sequence[dict], outage: bool = False) -> list[dict]:
@@ -186,6 +197,7 @@ class Method:
             question=sample.question, golden_answers=list(sample.golden_answers),
             data_source=sample.data_source or "all", method=self.name, answer=final_answer(rollout.messages),
             em=not failed and exact_match(rollout.messages, sample.golden_answers), searches=searches,
+            f1=0.0 if failed else answer_f1(rollout.messages, sample.golden_answers),
             num_turns=rollout.num_turns, status=SEARCH_FAILED if failed else rollout.status.value,
             messages=rollout.messages, gold_in_first_search=None if failed else gold_first,
             closed_turns=rollout.closed_turns,
@@ -235,8 +247,8 @@ async def run(method: Method, samples: Sequence, params: SamplingParams,
 
 
 def summarize(traces: Sequence[Trace]) -> dict[str, float]:
-    """EM overall and per data source (``em/<source>``), searches and turns per rollout, status fractions, the
-    number of traces with a failed search (``search_failed``), the calls the engine closed
+    """EM and token F1 overall and per data source (``em/<source>``, ``f1/<source>``), searches and turns per rollout,
+    status fractions, the number of traces with a failed search (``search_failed``), the calls the engine closed
     (``closed_turns_per_rollout``), and what a search policy learned:
     ``second_query_rate`` (a later search asked something else), ``first_search_missed`` (the first search's
     passages held no golden answer) and ``em_first_search_missed`` (EM of those).
@@ -249,11 +261,12 @@ def summarize(traces: Sequence[Trace]) -> dict[str, float]:
     n = len(traces)
     scored = [t for t in traces if t.status != SEARCH_FAILED]
     # A source whose every trace has a failed search still gets its (NaN) column.
-    by_source: dict[str, list[bool]] = {trace.data_source: [] for trace in traces}
+    by_source: dict[str, list[Trace]] = {trace.data_source: [] for trace in traces}
     for trace in scored:
-        by_source[trace.data_source].append(trace.em)
+        by_source[trace.data_source].append(trace)
     metrics = {
         "em": _mean([t.em for t in scored]),
+        "f1": _mean([t.f1 for t in scored]),
         "searches_per_rollout": sum(len(t.searches) for t in traces) / n,
         "turns_per_rollout": sum(t.num_turns for t in traces) / n,
         "closed_turns_per_rollout": sum(t.closed_turns for t in traces) / n,
@@ -268,18 +281,20 @@ def summarize(traces: Sequence[Trace]) -> dict[str, float]:
         metrics["first_search_missed"] = len(missed) / len(scored)
     if missed:
         metrics["em_first_search_missed"] = sum(t.em for t in missed) / len(missed)
-    metrics.update({f"em/{source}": _mean(v) for source, v in sorted(by_source.items())})
+    metrics.update({f"em/{source}": _mean([t.em for t in v]) for source, v in sorted(by_source.items())})
+    metrics.update({f"f1/{source}": _mean([t.f1 for t in v]) for source, v in sorted(by_source.items())})
     return metrics
 
 
-def _mean(values: Sequence[bool]) -> float:
-    """The fraction of true values; NaN for none (a source whose every trace failed has no EM)."""
+def _mean(values: Sequence[float]) -> float:
+    """The mean (of EMs: the fraction right); NaN for none (a source whose every trace failed has no EM)."""
     return sum(values) / len(values) if values else float("nan")
 
 
-def macro_average(metrics: dict[str, float]) -> float:
-    """The mean of the per-source EMs, the paper's "Avg." column (each data source weighs the same)."""
-    per_source = [value for key, value in metrics.items() if key.startswith("em/")]
+def macro_average(metrics: dict[str, float], metric: str = "em") -> float:
+    """The mean of the per-source ``metric`` (em or f1), the paper's "Avg." column (each data source weighs the
+    same)."""
+    per_source = [value for key, value in metrics.items() if key.startswith(f"{metric}/")]
     return sum(per_source) / len(per_source)
 
 

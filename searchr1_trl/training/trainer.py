@@ -88,6 +88,7 @@ from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.serving.weight_sync import PausedPush, ReloadPush, warn_stale_tied_head, weight_push
 from searchr1_trl.tasks.search_r1.data import QuestionBatches, SearchR1Sample, training_row
 from searchr1_trl.training import evaluation
+from searchr1_trl.training.as_trained import save_recipe
 from searchr1_trl.training.callbacks import CollapseGuard, DivergentStepGuard, NonFiniteGradientGuard
 from searchr1_trl.training.experimental import async_rollouts
 from searchr1_trl.training.recipe import SearchR1Config, SearchR1Task, build_task, part_config
@@ -544,6 +545,13 @@ class SearchR1Trainer(GRPOTrainer):
             _write_atomically(folder / CHECKPOINT_COMPLETE_FILE, "")
             rotate_checkpoints(output_dir=str(run_dir), save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Trainer's save (every checkpoint goes through it too), plus the recipe beside the weights, so a checkpoint
+        is evaluated as it was trained (``searchr1-eval``)."""
+        super().save_model(output_dir, _internal_call)
+        if self.args.should_save:
+            save_recipe(self.args, output_dir or self.args.output_dir)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         if resume_from_checkpoint is True:
