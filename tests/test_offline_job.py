@@ -126,6 +126,6 @@ def test_the_cpu_job_trains_through_the_launcher_and_leaves_no_server_behind(off
         cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 1 and list(summary["eval_em_by_step"]) == [0, 1]  # EM before and after
+    assert summary["steps"] == 1 and list(summary["eval_em_by_step"]) == ["0", "1"]  # EM before and after (JSON keys)
     assert (out / "retriever.log").stat().st_size and (out / "vllm.log").stat().st_size
     assert not listening(retriever_port) and not listening(generator_port)

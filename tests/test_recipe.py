@@ -45,7 +45,7 @@ def test_every_recipe_loads_validates_and_builds_its_grpo_config(recipe, offline
     # experiments/results/learning.md)
     assert args.close_tool_calls
     header = (CONFIGS / f"{recipe}.yaml").read_text().splitlines()[0]
-    assert header.startswith("# "), "every recipe starts with a header comment giving its plan"
+    assert header.startswith("# "), "every recipe starts with a header comment saying what it trains"
 
 
 def test_seed_recipes_keep_the_seed_defaults():

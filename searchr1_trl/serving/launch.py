@@ -9,7 +9,9 @@ and what the retriever serves. :func:`check_plan` refuses a plan that cannot run
 the generator (``trl vllm-serve``, or ``vllm serve`` with the flags TRL's wrapper adds) and the trainer through
 ``accelerate launch`` with one process per trainer GPU (plain ``python`` for a CPU trainer). A multi-node plan gives
 each machine its own commands: accelerate's own ``--num_machines``/``--machine_rank``/``--main_process_ip`` for a
-trainer that spans machines, and servers that bind their machine's address instead of loopback.
+trainer that spans machines, and servers that bind their machine's address instead of loopback. Never 0.0.0.0:
+``trl vllm-serve`` serves an unauthenticated ``/collective_rpc`` that runs worker methods, and the retriever has no
+authentication either, so a server listens only where the plan needs it (the recipe's URL's host on one machine).
 
 :func:`run_node` runs one machine's processes: the servers under the reaper of :mod:`~searchr1_trl.serving.processes`
 (they die with the launcher, whatever kills it), the retriever answering before the trainer starts (the trainer's
