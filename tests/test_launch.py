@@ -160,6 +160,10 @@ def _flags(tokens: list[str]) -> tuple[str, set[tuple[str, str | None]]]:
     (("--config", "qwen3_8b", "--trainer_gpus", "2", "2"), "trainer_gpus=[2, 2]; expected distinct GPU numbers"),
     (("--config", "qwen3_8b", "--gpu_ids", "2"), "command line: unrecognized arguments: --gpu_ids 2"),
     (("--config", "qwen3_30b_a3b", "--hosts", "a"), "1 host addresses for nodes=2; give one per machine"),
+    (("--config", "qwen3_8b", "--vllm_server_base_url", "http://127.0.0.1:8000"),
+     "search_url and vllm_server_base_url both name 127.0.0.1:8000"),
+    (("--config", "qwen3_30b_a3b", "--hosts", "a,b", "--weight_sync", "reload"),
+     "weight_sync=reload with the generator on another machine than the trainer's first: set weight_sync_dir"),
 ])
 def test_a_plan_that_cannot_run_is_refused_in_one_line_before_anything_starts(argv, expected):
     assert expected in refusal(*argv)

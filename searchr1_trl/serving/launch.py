@@ -199,9 +199,15 @@ def plan_processes(plan: LaunchConfig, values: dict, recipe: str, overrides: lis
     if plan.retriever_index_path:
         processes.append(_retriever(plan, values, retriever_host, search.port, out))
     if values["generator"] == "vllm":
+        if plan.retriever_index_path and (generator_host, served.port) == (retriever_host, search.port):
+            raise ValueError(f"search_url and vllm_server_base_url both name {generator_host}:{served.port}: give "
+                             "the generator and the retriever ports of their own")
         processes.append(_generator(plan, values, generator_host, served.port, out))
         trainer_args += ["--vllm_server_timeout", str(startup_timeout_s)]  # it starts while the server does
         if values["weight_sync"] == "reload" and not values["weight_sync_dir"]:
+            if plan.generator_node != 0:
+                raise ValueError("weight_sync=reload with the generator on another machine than the trainer's "
+                                 "first: set weight_sync_dir to a folder both machines share, or use nccl")
             # tmpfs: no disk between the trainer and the server it shares the machine with
             shm = Path("/dev/shm" if Path("/dev/shm").is_dir() else out)
             trainer_args += ["--weight_sync_dir", str(shm / f"searchr1_{out.resolve().name}_weights")]
