@@ -3,6 +3,7 @@ line, and one machine's run: servers stopped when the trainer ends, the trainer 
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
@@ -185,11 +186,24 @@ def test_the_trainer_refuses_the_same_plan_the_launcher_does():
         validate_plan(args, model_args, check_machine=False)
 
 
-def test_a_launch_refuses_a_retriever_without_its_index_naming_the_command_that_fetches_it(tmp_path):
-    processes, _ = cli.plan(["--config", "qwen3_8b", "--retriever_index_path", str(tmp_path / "e5_Flat.index")])
-    with pytest.raises(ValueError, match=rf"index_path {tmp_path}/e5_Flat.index does not exist: fetch Search-R1's "
-                                         r"with `searchr1-assets --search_r1`"):
-        cli.check_retriever_files(processes, node=0)
+def test_a_launch_refuses_a_retriever_without_its_corpus_naming_the_command_that_fetches_it(tmp_path):
+    processes, _ = cli.plan(["--config", "qwen3_8b", "--retriever_corpus_path", str(tmp_path / "wiki-18.jsonl")])
+    with pytest.raises(ValueError, match=rf"corpus {tmp_path}/wiki-18.jsonl does not exist: fetch Search-R1's with "
+                                         r"`searchr1-assets --search_r1`"):
+        cli.prepare_retriever(processes, node=0)
+
+
+@pytest.mark.slow  # embeds a corpus slice with the real encoder
+def test_a_launch_builds_a_missing_index_from_the_recipes_corpus(offline_assets, squad_dev_sample, tmp_path):
+    corpus, index = tmp_path / "corpus.jsonl", tmp_path / "index" / "index.faiss"
+    corpus.write_text("".join(json.dumps(row) + "\n" for row in squad_dev_sample[0]))
+    processes, _ = cli.plan(["--config", "offline", "--retriever_index_path", str(index),
+                             "--retriever_corpus_path", str(corpus)])
+    cli.prepare_retriever(processes, node=0)
+    assert index.is_file()
+    built = index.stat().st_mtime_ns
+    cli.prepare_retriever(processes, node=0)  # an index that is there is served as it is
+    assert index.stat().st_mtime_ns == built
 
 
 # A stand-in server process (a fault is injected by what it does after it answers), and a stand-in trainer.

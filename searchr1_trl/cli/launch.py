@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import subprocess
 import sys
 from dataclasses import asdict
@@ -85,14 +86,23 @@ def planned(argv: list[str]) -> list[Process]:
     return [Process(**p) for p in json.loads(done.stdout.splitlines()[-1])]
 
 
-def check_retriever_files(processes: list[Process], node: int) -> None:
-    """ValueError when the retriever of machine ``node`` has no index or corpus to serve, naming what makes them."""
+def prepare_retriever(processes: list[Process], node: int) -> None:
+    """Build the index of machine ``node``'s retriever when it is missing (the offline corpus: a minute on a GPU;
+    wiki-18: hours, which ``searchr1-assets --search_r1`` saves by fetching Search-R1's); ValueError when its corpus
+    is missing too, naming what makes them."""
     for process in (p for p in processes if p.role == "retriever" and p.node == node):
-        for flag in ("--index_path", "--corpus_path"):
-            path = process.command[process.command.index(flag) + 1]
-            if not Path(path).exists():
-                raise ValueError(f"the retriever's {flag.removeprefix('--')} {path} does not exist: fetch Search-R1's "
-                                 "with `searchr1-assets --search_r1`, or build an index with searchr1-build-index")
+        flags = {flag: process.command[process.command.index(flag) + 1] for flag in
+                 ("--index_path", "--corpus_path", "--retriever_model", "--retriever_name")
+                 if flag in process.command}
+        if not Path(flags["--corpus_path"]).exists():
+            raise ValueError(f"the retriever's corpus {flags['--corpus_path']} does not exist: fetch Search-R1's with "
+                             "`searchr1-assets --search_r1` (the offline one: searchr1-assets)")
+        if not Path(flags["--index_path"]).exists():
+            logger.info("building the missing index %s from %s", flags["--index_path"], flags["--corpus_path"])
+            Path(flags["--index_path"]).parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run([sys.executable, "-m", "retriever_server.build_index",
+                            *(token for pair in flags.items() for token in pair)], check=True,
+                           env={**os.environ, **process.env})  # on the retriever's GPUs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,9 +118,9 @@ def main(argv: list[str] | None = None) -> None:
                 print_plan(processes, hosts)
             return
         processes = planned(argv)
-        check_retriever_files(processes, options.node_rank)
+        prepare_retriever(processes, options.node_rank)
         run_node(processes, options.node_rank, options.startup_timeout_s)
-    except (ValueError, RuntimeError, TimeoutError) as error:
+    except (ValueError, RuntimeError, TimeoutError, subprocess.CalledProcessError) as error:
         sys.exit(f"error: {' '.join(str(error).split())}")
     except KeyboardInterrupt:
         sys.exit("stopped (Ctrl-C); every process of this machine was stopped")
