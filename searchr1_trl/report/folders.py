@@ -6,8 +6,8 @@ A **training run folder** (the trainer's ``output_dir``) holds:
 - the metric history: ``trainer_state.json`` (written when training ends), else ``log_history.csv`` (the offline
   job's copy), else the newest ``checkpoint-*/trainer_state.json`` (a run still going, or killed);
 - ``validation_traces/step-<step>[-rank<i>].jsonl``, each validation's greedy rollouts: the report keeps the first
-  validated step, the best one (the checkpoint training ended on) and the last, one :class:`TraceSet` each, so a
-  long run's page stays a few MB;
+  validated step, the best one (the checkpoint training ended on) and the last, one :class:`TraceSet` each, so the
+  page of a long run holds three validations, not all;
 - ``parse_failures[-rank<i>].jsonl``, the training turns the parser refused.
 
 A **searchr1-eval folder** holds ``traces.jsonl``: one :class:`TraceSet` per method x checkpoint, methods in the

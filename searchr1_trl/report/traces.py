@@ -3,8 +3,9 @@
 
 A page trace keeps what a reader needs to see what the agent did: each turn's text and calls, each search's passages
 with the golden answer marked where it appears, the answer with its EM and SQuAD token F1, and how the rollout ended.
-It drops the prompt and cuts each passage to a snippet around the golden answer (or its start), so 5,000 traces make
-a page of a few MB. Keys are short because they are repeated 5,000 times; the page's script reads them.
+It drops the prompt and cuts each passage to a snippet around the golden answer (or its start): about 2 KB a trace
+(5,000 three-search traces make a 10 MB page). Keys are short because every trace repeats them; the page's script
+reads them.
 """
 
 from __future__ import annotations
