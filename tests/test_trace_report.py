@@ -169,6 +169,17 @@ def test_a_page_trace_shows_each_query_and_marks_the_gold_in_the_passages_that_h
     assert [hit["x"][s:e] for s, e in hit["h"]] == ["robert curthose"] and miss["h"] == []
 
 
+def test_a_long_passage_is_cut_to_a_snippet_at_words_around_the_gold():
+    text = "word " * 100 + "It was built by Robert Curthose in 1080. " + "more " * 100
+    record = {"question": "Who?", "golden_answers": ["Robert Curthose"], "status": "done", "em": True,
+              "answer": "Robert Curthose", "messages": [
+                  {"role": "user", "content": "Who?"},
+                  {"role": "tool", "name": "search", "content": passages_text([{"contents": f"Castle\n{text}"}])}]}
+    passage = page_trace(record, 0)["turns"][0]["p"][0]
+    assert passage["x"].startswith("…word ") and passage["x"].endswith("…") and len(passage["x"]) <= 242
+    assert [passage["x"][s:e] for s, e in passage["h"]] == ["Robert Curthose"]
+
+
 def test_a_trace_written_without_its_conversation_shows_its_searches_titles():
     record = json.loads((ROOT / "docs/results/eval_cpu/traces.jsonl").read_text().splitlines()[-1])
     shown = page_trace(record, 0)

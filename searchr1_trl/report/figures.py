@@ -18,6 +18,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 from searchr1_trl.engine.rollout import RolloutStatus
+from searchr1_trl.report.traces import SAMPLE_NAMES
 from searchr1_trl.training.evaluation import SEARCH_FAILED
 
 STATUSES = (*(status.value for status in RolloutStatus), SEARCH_FAILED)
@@ -26,7 +27,7 @@ STATUS_COLORS = {"done": "#2da44e", "truncated_max_turns": "#d4a72c", "truncated
                  "truncated_length": "#fb8f44", "error_parse": "#cf222e", "error_timeout": "#a40e26",
                  "error_tool": "#8250df", SEARCH_FAILED: "#6e7781"}
 # The run's validation samples by the prefix the trainer logs them with (SearchR1Trainer.evaluate).
-RUN_SAMPLES = {"eval_": "validation", "report_": "report sample"}
+RUN_SAMPLES = {f"{sample}_": name for sample, name in SAMPLE_NAMES.items()}
 _SOURCE = re.compile(r"^(?:eval_|report_)?em/(.+)$")
 _CONFIG = {"displaylogo": False, "responsive": True, "modeBarButtonsToRemove": ["select2d", "lasso2d"]}
 
@@ -42,6 +43,10 @@ def run_figures(history: Sequence[dict], parse_failures: Sequence[dict]) -> list
         per_step = sorted(Counter(failure.get("step", 0) for failure in parse_failures).items())
         figure = go.Figure(go.Bar(x=[s for s, _ in per_step], y=[n for _, n in per_step], name="refused turns"))
         figures.append(_layout(figure, "Training turns the parser refused (parse_failures.jsonl)", "turns"))
+    last = max((row["step"] for row in rows), default=0)
+    for figure in figures:
+        if figure is not None:  # steps are whole: a short run gets a tick per step, not 0.5s
+            figure.update_xaxes(title_text="step", dtick=1 if last < 10 else None)
     return [_html(figure, f"chart-{i}") for i, figure in enumerate(f for f in figures if f is not None)]
 
 

@@ -18,6 +18,8 @@ from searchr1_trl.tasks.search_r1.rubric import normalize_answer, normalized_gol
 from searchr1_trl.training.evaluation import SEARCH_FAILED
 
 SNIPPET_CHARS = 240
+# The trainer's validation samples by the name its trace lines give them (SearchR1Trainer.evaluate).
+SAMPLE_NAMES = {"eval": "validation", "report": "report sample"}
 # One passage of a search result, as retrieval.passages_text writes it: "Doc 1(Title: Paris) The capital ...".
 _PASSAGE = re.compile(r"^Doc \d+\(Title: (.*?)\) (.*)$", re.MULTILINE)
 
@@ -33,7 +35,8 @@ def page_trace(record: dict, set_index: int) -> dict:
     f1 = max((token_f1(normalize_answer(answer), gold) for gold in normalized), default=0.0) if answer else 0.0
     return {
         "s": set_index, "q": record["question"], "g": golds, "src": record.get("data_source") or "all",
-        "smp": record.get("sample"), "st": record["status"], "em": int(bool(record.get("em"))), "f1": round(f1, 2),
+        "smp": SAMPLE_NAMES.get(record.get("sample"), record.get("sample")), "st": record["status"],
+        "em": int(bool(record.get("em"))), "f1": round(f1, 2),
         "a": answer, "ns": len(record.get("searches") or []), "nt": record.get("num_turns", 0),
         "ct": record.get("closed_turns", 0), "turns": _turns(record, golds, normalized),
     }
@@ -78,13 +81,17 @@ def _query(arguments) -> str:
 
 def _passage(title: str, text: str, golds: Sequence[str], normalized: set[str]) -> dict:
     """``t`` title, ``gold`` whether the passage holds a golden answer (the rubric's whole-word test), ``x`` a
-    snippet of the text around the first golden answer found verbatim (else its start), ``h`` the ``[start, end)``
-    spans of golden answers in the snippet."""
+    snippet of the text around the first golden answer found verbatim (else its start), "…" where it was cut, ``h``
+    the ``[start, end)`` spans of golden answers in the snippet."""
     spans = _gold_spans(text, golds)
     start = max(0, spans[0][0] - SNIPPET_CHARS // 3) if spans else 0
-    snippet = text[start:start + SNIPPET_CHARS]
+    if start:  # begin at a word, marked as cut
+        start = text.find(" ", start, spans[0][0]) + 1 or start
+    end = start + SNIPPET_CHARS
+    snippet = ("…" if start else "") + text[start:end] + ("…" if end < len(text) else "")
+    shift = start - (1 if start else 0)  # where the snippet's first character was in the text
     return {"t": title, "gold": passages_hold_gold(f"{title} {text}", normalized), "x": snippet,
-            "h": [[s - start, e - start] for s, e in spans if s >= start and e <= start + len(snippet)]}
+            "h": [[s - shift, e - shift] for s, e in spans if s >= start and e <= end]}
 
 
 def _gold_spans(text: str, golds: Sequence[str]) -> list[tuple[int, int]]:

@@ -62,7 +62,7 @@
     }
     const end = el("div", null, el("b", null, "Answer: "), t.a === null ? "(none)" : t.a, "  ",
       el("span", t.em ? "ok" : "no", t.em ? "EM 1" : "EM 0"), "  F1 " + t.f1.toFixed(2) + "  status " + t.st,
-      t.ct ? "  · " + t.ct + " call(s) closed by the engine" : "", t.smp ? "  · sample " + t.smp : "");
+      t.ct ? "  · " + t.ct + " call(s) closed by the engine" : "", t.smp ? "  · " + t.smp : "");
     box.append(end);
     return box;
   }
