@@ -24,7 +24,7 @@ from searchr1_trl.report.traces import compare, page_trace
 
 REPORT_FILE = "report.html"
 PARSE_FAILURES_SHOWN = 100  # the newest ones; the chart counts them all
-_TEMPLATES = Path(__file__).resolve().parent / "templates"
+_TEMPLATES = Path(__file__).resolve().parent  # report.html.j2, report.css, report.js
 
 
 def default_output(folders: Sequence[str | Path]) -> Path:
