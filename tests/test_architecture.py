@@ -21,6 +21,7 @@ LAYERS = [
     "engine",  # the generic multi-turn tool engine: rollout loop, parsing, generation backends
     "tasks",  # the tasks on the engine, one folder each: data, env, rubric
     "training",  # the recipe, its checks, the TRL trainer, its guards, warm start and validation
+    "report",  # the trace report: a run's or an evaluation's folder as one HTML page
     "cli",  # the console scripts
 ]
 

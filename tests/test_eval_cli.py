@@ -90,6 +90,11 @@ def test_eval_writes_a_table_per_method_and_source_json_and_one_trace_per_questi
     assert set(rows[0]) >= {"em", "average", "searches_per_rollout", "turns_per_rollout", "closed_turns_per_rollout",
                             "status", "num_samples"}
     assert rows[1]["searches_per_rollout"] == 1.0 and rows[0]["searches_per_rollout"] == 0.0
+    page = (out / "report.html").read_text()  # the trace report, written at the end
+    shown = json.loads(page.split('id="report-data">', 1)[1].split("</script>", 1)[0])
+    assert [s["label"] for s in shown["sets"]] == [f"{m} · {Path(tiny_model_dir).name}" for m in ("direct", "rag",
+                                                                                                 "agent")]
+    assert len(shown["traces"]) == len(traces)
 
 
 def trained_checkpoint(tiny_model_dir, folder: Path, **recipe) -> Path:

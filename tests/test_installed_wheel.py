@@ -81,6 +81,7 @@ def test_searchr1_train_trains_from_the_installed_package(venv, tiny_model_dir, 
         "--max_tokens_per_turn", "8", "--output_dir", str(out), "--report_to", "none", "--save_strategy", "no")
     assert (out / "model.safetensors").is_file()
     assert "- recipe: `offline`" in (out / "README.md").read_text()
+    assert "Reward (training rollouts)" in (out / "report.html").read_text()  # the trace report, from the wheel
 
 
 def test_searchr1_eval_and_ask_run_from_the_installed_package(venv, offline_assets, vllm_server, retriever_url,
@@ -113,6 +114,7 @@ def test_searchr1_eval_and_ask_run_from_the_installed_package(venv, offline_asse
     assert len(traces) == 3 * 2 * 1  # methods x sources x questions
     specials = ("<|im_end|>", "<|endoftext|>", "<|im_start|>")
     assert not any(s in (t["answer"] or "") for t in traces for s in specials)
+    assert "Trace report: eval" in (out / "report.html").read_text()
 
     answer = json.loads(asked.stdout)
     assert set(answer) >= {"question", "answer", "searches", "status", "messages"}

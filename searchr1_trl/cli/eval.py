@@ -97,6 +97,9 @@ class EvalConfig:
         default="auto", metadata={"help": "With generator=transformers: weight dtype (auto: bfloat16 on GPU, "
                                           "float32 on CPU)."})
     output_dir: str = field(default="runs/eval", metadata={"help": "Where traces and results are written."})
+    trace_report: bool = field(
+        default=True, metadata={"help": "Write output_dir/report.html at the end (searchr1-report): the table's charts "
+                                        "and every trace, browsable offline."})
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in evaluation.METHODS]
@@ -386,6 +389,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(config.output_dir)
     print((out / RESULTS_MD).read_text(), end="")
     print(f"{len(rows)} rows; traces, JSON and table in {out}")
+    if config.trace_report:
+        from searchr1_trl.report.page import write_report
+
+        print(f"trace report: {write_report([out])}")
     failed = sum(row["search_failed"] for row in rows)
     if failed:
         sys.exit(f"error: {failed} traces have a failed search (the retriever did not answer) and are not scored; "

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def train(args, model_args) -> None:
     """Warm-start when the recipe asks, train, evaluate the last step if the run did not, save with the model card,
-    push to the Hub when asked."""
+    push to the Hub when asked, write the trace report (``trace_report``)."""
     from trl import get_peft_config
 
     from searchr1_trl.training.recipe import build_task
@@ -75,6 +75,10 @@ def train(args, model_args) -> None:
     trainer.create_model_card()  # README.md beside the weights: recipe, data, retriever, final EM (also on the Hub)
     if args.push_to_hub:
         trainer.push_to_hub()
+    if args.trace_report and trainer.is_world_process_zero():
+        from searchr1_trl.report.page import write_report
+
+        logger.info("trace report: %s", write_report([args.output_dir]))
 
 
 if __name__ == "__main__":

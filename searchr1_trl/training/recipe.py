@@ -193,6 +193,11 @@ class SearchR1Config(GRPOConfig):
                           "recipe's training rollouts lost their reward to before close_tool_calls, 0.003-0.02 with "
                           "it."},
     )
+    trace_report: bool = field(
+        default=True,
+        metadata={"help": "Write output_dir/report.html when training ends (searchr1-report): the curves and the "
+                          "validation traces, browsable offline, with the first validation set against the last."},
+    )
     eval_sample_seed: int | None = field(
         default=None,
         metadata={"help": "None: the first eval_num_samples rows in file order (the seed's slice); a seed: a seeded "
