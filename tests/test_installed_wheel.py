@@ -61,6 +61,8 @@ def test_the_package_and_its_recipes_come_from_the_wheel(venv):
     module, recipes = found.stdout.split()
     assert module.startswith(str(venv)) and recipes.startswith(str(venv)) and recipes.endswith("recipes")
     assert (Path(recipes) / "qwen3_8b.yaml").is_file()
+    # searchr1-launch finds a recipe's accelerate config in the wheel too
+    assert (Path(recipes).parent / "accelerate_configs" / "zero3.yaml").is_file()
 
 
 def test_searchr1_train_finds_a_shipped_recipe_and_checks_its_plan_first(venv):

@@ -170,8 +170,9 @@ def _devices(gpus: list[int] | None) -> dict[str, str]:
 
 
 def accelerate_config_path(name: str) -> str:
-    """``name`` as given when it exists, else in the repository; ValueError when neither."""
-    for path in (Path(name), REPOSITORY / name):
+    """``name`` as given when it exists, else in the repository, else in the installed package (a wheel ships
+    ``accelerate_configs/`` inside ``searchr1_trl/``); ValueError when none."""
+    for path in (Path(name), REPOSITORY / name, Path(__file__).resolve().parents[1] / name):
         if path.is_file():
             return str(path.resolve())
     raise ValueError(f"accelerate_config={name!r} is neither a file nor one of the repository's "
