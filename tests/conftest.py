@@ -169,6 +169,31 @@ def tiny_model_dir(offline_assets, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lora_checkpoint(tiny_model_dir, offline_assets, tmp_path_factory) -> Path:
+    """What the CPU recipe (LoRA) saves, on the tiny model: the trainer's ``save_model`` of a LoRA run, an adapter
+    folder (adapter_config.json naming the tiny model as its base, adapter weights, tokenizer), its adapters moved
+    off zero so that it answers otherwise than its base."""
+    import torch
+    from peft import LoraConfig
+
+    from searchr1_trl.training.trainer import SearchR1Config, SearchR1Trainer
+
+    work = tmp_path_factory.mktemp("lora")
+    args = SearchR1Config(output_dir=str(work / "run"), use_cpu=True, bf16=False, report_to="none", max_steps=1,
+                          per_device_train_batch_size=2, num_generations=2, eval_strategy="no", save_strategy="no",
+                          train_data_path=offline_assets.test_questions, generator="transformers")
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args,
+                              peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in trainer.model.named_parameters():
+            if "lora_B" in name:
+                parameter.add_(torch.randn_like(parameter))
+    trainer.save_model(str(work / "adapter"))
+    return work / "adapter"
+
+
+@pytest.fixture(scope="session")
 def squad_dev_sample(offline_assets):
     """(corpus rows, question rows) for the first TEST_CORPUS_ARTICLES SQuAD dev articles."""
     import pandas as pd

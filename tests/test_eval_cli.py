@@ -195,6 +195,44 @@ def test_a_rerun_with_other_policy_settings_is_refused_instead_of_mixing_traces(
     assert len((tmp_path / "traces.jsonl").read_text().splitlines()) == 2 * 2
 
 
+def test_a_lora_checkpoint_is_evaluated_on_its_base_model(lora_checkpoint, tiny_model_dir, two_source_questions,
+                                                          tmp_path):
+    out = tmp_path / "eval"
+    eval_cli.main(["--checkpoints", str(tiny_model_dir), str(lora_checkpoint), "--data", two_source_questions,
+                   "--output_dir", str(out), "--methods", "direct", "--num_samples", "2", "--generator", "transformers",
+                   "--max_tokens_per_turn", "8"])
+
+    traces = [json.loads(line) for line in (out / "traces.jsonl").read_text().splitlines()]
+    answers = {checkpoint: [t["answer"] for t in traces if t["checkpoint"] == checkpoint]
+               for checkpoint in (str(tiny_model_dir), str(lora_checkpoint))}
+    assert [len(a) for a in answers.values()] == [4, 4]
+    assert answers[str(lora_checkpoint)] != answers[str(tiny_model_dir)], "the adapter is applied, not the base alone"
+    assert f"`{lora_checkpoint}`" in (out / "results.md").read_text()
+
+
+def test_a_lora_checkpoint_on_a_vllm_server_is_refused_in_one_line(lora_checkpoint, two_source_questions, tmp_path):
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: checkpoint '{lora_checkpoint}' is a LoRA adapter "
+                                                         "of ") + ".* a vLLM server serves whole models: use "
+                                                                  "--generator transformers"):
+        eval_cli.main(eval_args(lora_checkpoint, two_source_questions, tmp_path, "--methods", "direct"))
+
+
+def test_a_checkpoint_with_truncated_weights_is_refused_in_one_line_naming_the_file(tiny_model_dir,
+                                                                                    two_source_questions, tmp_path):
+    import shutil
+
+    checkpoint = tmp_path / "cut"
+    shutil.copytree(tiny_model_dir, checkpoint)
+    weights = checkpoint / "model.safetensors"
+    with weights.open("r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: checkpoint '{checkpoint}': model.safetensors is ")
+                                         + r"[\d,]+ bytes of the [\d,]+ its header describes: the file is truncated"):
+        eval_cli.main(eval_args(checkpoint, two_source_questions, tmp_path / "eval", "--methods", "direct",
+                                "--generator", "transformers"))
+
+
 @pytest.mark.slow
 def test_eval_through_the_real_vllm_server_checks_the_served_model(vllm_server, two_source_questions, retriever_url,
                                                                    tmp_path, tiny_model_dir):
@@ -317,7 +355,8 @@ def test_eval_checks_every_checkpoints_generator_before_the_first_question(tiny_
                                                                            tmp_path):
     missing = tmp_path / "no-such-checkpoint"
 
-    with pytest.raises(SystemExit, match="^" + re.escape(f"error: checkpoint '{missing}' cannot be loaded")):
+    with pytest.raises(SystemExit, match="^" + re.escape(f"error: checkpoint '{missing}' does not exist; expected a "
+                                                         "model folder")):
         eval_cli.main(["--checkpoints", str(tiny_model_dir), str(missing), "--data", two_source_questions,
                        "--output_dir", str(tmp_path / "eval"), "--methods", "direct", "--num_samples", "1",
                        "--generator", "transformers"])

@@ -4,11 +4,11 @@
     searchr1-ask --checkpoint <folder or Hub id>                   # interactive: one question per line, Ctrl-D ends
     searchr1-ask --checkpoint <...> --question "..." --json        # one JSON object per question, for scripts
 
-The rollout is the evaluation's (searchr1_trl/training/evaluation.py): greedy, the ``agent`` method by default, against
-a
-running retriever (``--search_url``) and a generator (``--generator vllm`` with a ``trl vllm-serve`` serving the
-checkpoint, or ``transformers`` in-process). Use the env and rollout settings the checkpoint was trained with
-(``--restate_question``, ``--bare_json_tool_calls``, ``--max_turns``, ``--topk``).
+The rollout is the evaluation's (searchr1_trl/training/evaluation.py): greedy, the ``agent`` method by default,
+against a running retriever (``--search_url``) and a generator (``--generator vllm`` with a ``trl vllm-serve`` serving
+the checkpoint, or ``transformers`` in-process, where a LoRA adapter folder, what the CPU recipe saves, loads on its
+base model). Use the env and rollout settings the checkpoint was trained with (``--restate_question``,
+``--bare_json_tool_calls``, ``--max_turns``, ``--topk``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from searchr1_trl.training.recipe import part_config
 
 @dataclass
 class AskConfig:
-    checkpoint: str = field(default="", metadata={"help": "Model folder or Hub id."})
+    checkpoint: str = field(default="", metadata={"help": "Model folder, LoRA adapter folder or Hub id."})
     question: str | None = field(default=None, metadata={"help": "The question; none: read questions from stdin."})
     json: bool = field(default=False, metadata={"help": "Print one JSON object per question instead of text."})
     method: str = field(default="agent", metadata={"help": f"One of {', '.join(evaluation.METHODS)}."})
@@ -50,9 +50,7 @@ def render(trace: evaluation.Trace) -> str:
 
 
 async def _answer(config: AskConfig, policy, questions) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.checkpoint)
+    tokenizer = evaluation.policy_tokenizer(config.checkpoint)
     generator = evaluation.policy_generator(config.generator, config.checkpoint, tokenizer,
                                             url=config.vllm_server_base_url, dtype=config.dtype)
     method = evaluation.build_method(config.method, tokenizer, generator, part_config(policy, "env"),

@@ -305,10 +305,9 @@ async def _evaluate_checkpoint(config: EvalConfig, policy, index: int,
                                traces: TraceFile) -> None:
     """The missing traces of one checkpoint, method after method, each written as soon as it is finished."""
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
     checkpoint = config.checkpoints[index]
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer = evaluation.policy_tokenizer(checkpoint)
     generator = make_generator(config, checkpoint, index, tokenizer)
     params = evaluation.greedy_params(policy.max_tokens_per_turn)
     env_config, rollout_config = part_config(policy, "env"), part_config(policy, "rollout")

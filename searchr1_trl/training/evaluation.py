@@ -58,6 +58,7 @@ from searchr1_trl.tasks.search_r1.rubric import (
     search_results,
     token_f1,
 )
+from searchr1_trl.training.checkpoints import ModelFolder, check_model_folder
 
 METHODS = ("direct", "rag", "agent")
 
@@ -313,9 +314,18 @@ def _same_model(served: str, checkpoint: str) -> bool:
     return served_path.exists() and served_path.resolve() == checkpoint_path.resolve()
 
 
-def check_generator(kind: str, checkpoint: str, url: str | None = None) -> None:
-    """ValueError naming the problem unless ``checkpoint`` can be generated from: with ``vllm`` the server at ``url``
-    answers and serves it, with ``transformers`` its config loads."""
+def check_generator(kind: str, checkpoint: str, url: str | None = None) -> ModelFolder:
+    """The checked checkpoint; ValueError naming the problem unless it can be generated from: its folder holds a
+    model or a LoRA adapter whose base is there (:func:`check_model_folder`), and with ``vllm`` the server at ``url``
+    answers and serves it (a whole model: vLLM does not load an adapter folder), with ``transformers`` its config
+    loads."""
+    if kind not in ("vllm", "transformers"):
+        raise ValueError(f"generator={kind!r}; expected 'vllm' or 'transformers'")
+    folder = check_model_folder(checkpoint)
+    if kind == "vllm" and folder.base_model:
+        raise ValueError(f"checkpoint {checkpoint!r} is a LoRA adapter of {folder.base_model!r} and a vLLM server "
+                         "serves whole models: use --generator transformers (it loads the adapter on its base model) "
+                         "or serve the merged model (peft's merge_and_unload, then save_pretrained)")
     if kind == "vllm":
         try:
             served = _served_model(url)
@@ -327,16 +337,30 @@ def check_generator(kind: str, checkpoint: str, url: str | None = None) -> None:
                 from None
         if not _same_model(served, checkpoint):
             raise ValueError(f"the vLLM server at {url} serves {served!r}, not checkpoint {checkpoint!r}")
-    elif kind == "transformers":
+    else:
         from transformers import AutoConfig
 
         try:
-            AutoConfig.from_pretrained(checkpoint)
+            AutoConfig.from_pretrained(folder.base_model or checkpoint)
         except (OSError, ValueError) as error:
             raise ValueError(f"checkpoint {checkpoint!r} cannot be loaded: {' '.join(str(error).split())[:300]}") \
                 from None
-    else:
-        raise ValueError(f"generator={kind!r}; expected 'vllm' or 'transformers'")
+    return folder
+
+
+def policy_tokenizer(checkpoint: str):
+    """The tokenizer of ``checkpoint``, checked first (:func:`check_model_folder`): an empty or missing folder
+    would otherwise fail in a traceback that asks to install sentencepiece; a LoRA adapter saved without one uses
+    its base model's."""
+    from transformers import AutoTokenizer
+
+    source = check_model_folder(checkpoint).tokenizer_source
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as error:  # a Hub id that is not there (or not reachable offline)
+        where = "" if Path(source).exists() else " (no local folder of that name, so a Hub id)"
+        raise ValueError(f"checkpoint {checkpoint!r}: no tokenizer loads from {source!r}{where}: "
+                         f"{' '.join(str(error).split())[:200]}") from None
 
 
 def policy_generator(kind: str, checkpoint: str, tokenizer, url: str | None = None, dtype: str = "auto",
