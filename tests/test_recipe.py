@@ -224,6 +224,24 @@ def test_a_bad_data_file_stops_training_in_one_line_naming_file_row_and_field(ch
     assert message.startswith(f"error: train_data_path: {data}: ") and expected in message
 
 
+def test_a_training_row_whose_prompt_leaves_no_room_stops_training_in_one_line_naming_it(offline_assets, tmp_path):
+    import pandas as pd
+
+    questions = pd.read_parquet(offline_assets.test_questions).head(8)
+    data = tmp_path / "train.parquet"
+    questions.assign(question=[*questions.question[:3], "Why? " + "very " * 2500, *questions.question[4:]]) \
+        .to_parquet(data)
+
+    message = train_error("--config", "offline", "--train_data_path", str(data))
+
+    assert re.fullmatch(r"error: train_data_path: 1 row\(s\) have a prompt that leaves no room for a generated token "
+                        r"within max_rollout_tokens=2048 \(row 3: [\d,]+ tokens\): drop them from "
+                        + re.escape(str(data)) + " or raise max_rollout_tokens", message), message
+    roomy = train_error("--config", "offline", "--train_data_path", str(data), "--max_rollout_tokens", "4096",
+                        "--search_url", "http://127.0.0.1:9/retrieve", "--search_max_retries", "0")
+    assert roomy.startswith("error: retrieval server not reachable"), "room enough: the plan goes on to the servers"
+
+
 def test_recipe_values_are_the_yaml_with_the_command_line_on_top_typed_and_unchecked():
     # bf16 on a machine without a GPU: TrainingArguments would refuse it; the values are read all the same.
     values = recipe_values(["--config", "qwen3_8b", "--bf16=false", "--max_steps", "3", "--use_cpu"])

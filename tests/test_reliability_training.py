@@ -129,3 +129,19 @@ def test_the_weight_sync_folder_is_replaced_when_ours_and_refused_when_not(tiny_
     with pytest.raises(ValueError, match=r"notes holds files this trainer did not write \(notes.txt, sub\)"):
         push.push(trainer.model)
     assert (theirs / "notes.txt").read_text() == "mine" and (theirs / "sub").is_dir()
+
+
+def test_a_row_whose_prompt_leaves_no_room_is_skipped_and_counted_not_fatal(tiny_model_dir, tmp_path):
+    """A question longer than max_rollout_tokens ends its rollouts truncated_prompt_too_long with no completion; TRL
+    1.16's parse_response raised AttributeError on it and killed the run. No search is made, so none is served."""
+    import pandas as pd
+
+    data = tmp_path / "long.parquet"
+    pd.DataFrame({"question": ["Why? " + "very " * 2000], "golden_answers": [["yes"]]}).to_parquet(data)
+    args = small_config(tmp_path, str(data), "http://127.0.0.1:9/retrieve", generator="transformers",
+                        max_rollout_tokens=512)
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args)
+    trainer.train()
+
+    [logged] = [entry for entry in trainer.state.log_history if "rollout/status_truncated_prompt_too_long" in entry]
+    assert logged["rollout/status_truncated_prompt_too_long"] == 1.0 and logged["loss"] == 0.0

@@ -2,9 +2,10 @@
 
 Checked: required fields, the generator's tensor parallel size against the model's KV heads (vLLM shards KV heads,
 so TP must divide them), the launch plan's GPUs (:func:`~searchr1_trl.serving.launch.check_plan`), local files (data
-files row by row), that the weight-sync folder holds nothing a push did not write, and (optionally) that the
-retrieval and generator servers answer. KV head counts come from the model's config when it can be read (local folder
-or Hub cache), else from the published numbers below, so recipes validate offline.
+files row by row, training prompts against ``max_rollout_tokens``), that the weight-sync folder holds nothing a push
+did not write, and (optionally) that the retrieval and generator servers answer. KV head counts come from the model's
+config when it can be read (local folder or Hub cache), else from the published numbers below, so recipes validate
+offline.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from searchr1_trl.assets.shapes import PUBLISHED_CONFIGS
 from searchr1_trl.serving.launch import check_plan
 from searchr1_trl.serving.weight_sync import check_sync_folder_is_ours, reload_folder
 from searchr1_trl.tasks.search_r1.data import load_samples
+from searchr1_trl.tasks.search_r1.env import SearchR1EnvFactory
 from searchr1_trl.tasks.search_r1.retrieval import check_retriever
 from searchr1_trl.training.recipe import part_config
+from searchr1_trl.training.rows import overlong_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,29 @@ def _server_answers(url: str, wait_s: float = 0.0) -> bool:
         if attempt == 0:
             logger.warning("%s does not answer yet; waiting up to %.0fs", url, wait_s)
         time.sleep(1.0)
+
+
+def _check_prompt_room(args, model: str) -> None:
+    """:class:`PlanError` naming the training rows whose prompt leaves no room for a generated token within
+    ``max_rollout_tokens`` (:func:`~searchr1_trl.training.rows.overlong_prompts`); their rollouts could teach
+    nothing. Skipped, with a warning, when the model's tokenizer cannot be read here."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        logger.warning("prompt lengths not checked: no tokenizer of %s loads here (%s)", model, error)
+        return
+    rows = [(row, sample) for row, sample in enumerate(load_samples(args.train_data_path))
+            if args.train_data_source is None or sample.data_source == args.train_data_source]
+    long = overlong_prompts([sample for _, sample in rows], SearchR1EnvFactory(part_config(args, "env")), tokenizer,
+                            part_config(args, "rollout"))
+    if long:
+        shown = ", ".join(f"row {rows[position][0]}: {tokens:,} tokens" for position, tokens in long[:3])
+        more = ", ..." if len(long) > 3 else ""
+        raise PlanError(f"train_data_path: {len(long)} row(s) have a prompt that leaves no room for a generated token "
+                        f"within max_rollout_tokens={args.max_rollout_tokens} ({shown}{more}): drop them from "
+                        f"{args.train_data_path} or raise max_rollout_tokens")
 
 
 def check_machine(recipe: str, values: dict) -> None:
@@ -108,6 +134,8 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
                 load_samples(path)
             except ValueError as error:
                 raise PlanError(f"{name}: {error}") from None
+    if args.train_data_path:
+        _check_prompt_room(args, model)
     tp = args.vllm_tensor_parallel_size
     heads = kv_heads(model)
     if tp > heads or heads % tp:

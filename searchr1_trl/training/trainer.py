@@ -92,6 +92,7 @@ from searchr1_trl.training.as_trained import save_recipe
 from searchr1_trl.training.callbacks import CollapseGuard, DivergentStepGuard, NonFiniteGradientGuard
 from searchr1_trl.training.experimental import async_rollouts
 from searchr1_trl.training.recipe import SearchR1Config, SearchR1Task, build_task, part_config
+from searchr1_trl.training.rows import with_placeholder_completion
 from searchr1_trl.training.update import compile_decoder_layers, loss_mask, packed_forward, with_fp32_master_weights
 
 logger = logging.getLogger(__name__)
@@ -366,6 +367,7 @@ class SearchR1Trainer(GRPOTrainer):
         else:
             rollouts = self._run_on_generator(self.engine.run(self._batch_samples, self.task.sampling))
         self._log_rollouts(mode, rollouts, time.perf_counter() - start)
+        rollouts = with_placeholder_completion(rollouts, self.processing_class.eos_token_id)  # TRL needs a token
         return {
             "prompt_ids": [r.prompt_ids for r in rollouts],
             "completion_ids": [r.completion_ids for r in rollouts],
