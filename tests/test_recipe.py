@@ -207,6 +207,8 @@ def test_a_recipe_that_is_no_mapping_says_a_recipe_must_be_one(text, kind, tmp_p
                                                                    "got nan"),
     (lambda q: q.assign(golden_answers=[[""], *q.golden_answers[1:]]), "row 0: golden_answers holds an empty "
                                                                        "answer (['']); expected non-empty strings"),
+    (lambda q: q.assign(data_source=[None, "squad", float("nan"), *["squad"] * (len(q) - 3)]),
+     "2 of 8 rows have no data_source (row 0, 2); fill the column (e.g. with the dataset's name) or drop it"),
     (None, "not a readable parquet file"),
 ])
 def test_a_bad_data_file_stops_training_in_one_line_naming_file_row_and_field(change, expected, offline_assets,
@@ -222,6 +224,17 @@ def test_a_bad_data_file_stops_training_in_one_line_naming_file_row_and_field(ch
     message = train_error("--config", "offline", "--train_data_path", str(data))
 
     assert message.startswith(f"error: train_data_path: {data}: ") and expected in message
+
+
+@pytest.mark.parametrize("field", ["train", "eval"])
+def test_a_data_source_filter_that_matches_no_row_stops_training_in_one_line(field, offline_assets):
+    data = offline_assets.test_questions
+
+    message = train_error("--config", "offline", f"--{field}_data_path", data, f"--{field}_data_source", "nq",
+                          "--eval_on_start", "true")
+
+    assert message == (f"error: {field}_data_path: {data}: empty after filtering: no row has data_source='nq' "
+                       "(found ['squad'])")
 
 
 def test_a_training_row_whose_prompt_leaves_no_room_stops_training_in_one_line_naming_it(offline_assets, tmp_path):

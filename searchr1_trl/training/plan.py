@@ -125,13 +125,15 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
     model = model_args.model_name_or_path
     if not model:
         raise PlanError("model_name_or_path is not set: name a Hub model or a local folder in the recipe")
-    for name in ("train_data_path", "eval_data_path"):
+    validates = args.eval_strategy != "no" or args.eval_on_start
+    for name, source in (("train_data_path", args.train_data_source),
+                         ("eval_data_path", args.eval_data_source if validates else None)):
         path = getattr(args, name)
         if path and not Path(path).exists():
             raise PlanError(f"{name}={path} does not exist: prepare it (searchr1-assets) or fix the path")
         if path:
-            try:  # every row, now: the trainer reads the file only once the model is loaded, in a traceback
-                load_samples(path)
+            try:  # every row and the data_source filter, now: the trainer reads them once the model is loaded
+                load_samples(path, source)
             except ValueError as error:
                 raise PlanError(f"{name}: {error}") from None
     if args.train_data_path:

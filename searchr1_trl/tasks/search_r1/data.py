@@ -107,6 +107,11 @@ def load_samples(path: str, data_source: str | None = None) -> list[SearchR1Samp
     has_source = "data_source" in frame.columns
     if frame.empty:
         raise ValueError(f"{path}: the file has no rows")
+    if has_source and frame["data_source"].isna().any():  # NaN among strings: Arrow refuses the column later
+        unset = frame.index[frame["data_source"].isna()].tolist()
+        shown = ", ".join(map(str, unset[:5])) + (", ..." if len(unset) > 5 else "")
+        raise ValueError(f"{path}: {len(unset)} of {len(frame)} rows have no data_source (row {shown}); fill the "
+                         "column (e.g. with the dataset's name) or drop it")
     if data_source is not None:
         if not has_source:
             raise ValueError(f"{path}: data_source={data_source!r} asked for but the file has no data_source column")
