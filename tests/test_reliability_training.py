@@ -9,6 +9,7 @@ Figures go to ``reliability_figures`` (docs/RELIABILITY.md).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -145,3 +146,58 @@ def test_a_row_whose_prompt_leaves_no_room_is_skipped_and_counted_not_fatal(tiny
 
     [logged] = [entry for entry in trainer.state.log_history if "rollout/status_truncated_prompt_too_long" in entry]
     assert logged["rollout/status_truncated_prompt_too_long"] == 1.0 and logged["loss"] == 0.0
+
+
+# A run holding its output_dir (the hold searchr1-train takes before it loads the model), until killed.
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from searchr1_trl.training.checkpoints import OutputDirLock
+
+    hold = OutputDirLock(sys.argv[1]).acquire()
+    print("held", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_second_run_on_an_output_dir_in_use_is_refused_in_one_line_naming_the_first(tiny_model_dir, tmp_path):
+    from conftest import serve_health
+
+    from searchr1_trl.cli.train import main as train_main
+
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    retriever = serve_health()
+    try:
+        assert first.stdout.readline() == "held\n"
+        with pytest.raises(SystemExit) as stop:
+            train_main(["--config", "offline", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out),
+                        "--generator", "transformers", "--max_steps", "1", "--max_tokens_per_turn", "8",
+                        "--search_url", f"http://127.0.0.1:{retriever.server_port}/retrieve"])
+    finally:
+        first.kill()
+        first.wait()
+        retriever.shutdown()
+    assert re.fullmatch(re.escape(f"error: output_dir '{out}' is in use by another run (pid {first.pid} on ")
+                        + r".+, since [\d-]+ [\d:]+\): wait for it to end or stop it, or give this run another "
+                          r"output_dir", stop.value.code), stop.value.code
+
+
+def test_the_lock_of_a_killed_run_is_taken_over_and_names_the_new_holder(tmp_path):
+    from searchr1_trl.training.checkpoints import LOCK_FILE, OutputDirLock
+
+    killed = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert killed.stdout.readline() == "held\n"
+    with pytest.raises(ValueError, match=f"in use by another run \\(pid {killed.pid} "):
+        OutputDirLock(str(tmp_path)).acquire()
+    killed.kill()
+    killed.wait()
+    assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {killed.pid} ")  # what a dead run leaves
+
+    with OutputDirLock(str(tmp_path)):
+        assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} ")
+        with pytest.raises(ValueError, match=f"in use by another run \\(pid {os.getpid()} "):
+            OutputDirLock(str(tmp_path)).acquire()  # held: also within one process
+    with OutputDirLock(str(tmp_path)):  # released on exit
+        pass

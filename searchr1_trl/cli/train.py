@@ -7,15 +7,18 @@
 Shipped recipes (``configs/`` in the repository, ``searchr1_trl/recipes`` in the installed package):
 offline, offline_gpu, qwen3_1_7b, qwen3_8b, qwen3_30b_a3b, muse_glimmer_30b; each ends with its plan (GPUs, machines,
 what the retriever serves), which ``searchr1-launch --config <recipe>`` starts: the generator and the retriever must
-be running. A recipe this machine cannot run stops in one line naming what is missing and what to run instead.
+be running. A recipe this machine cannot run stops in one line naming what is missing and what to run instead. A run
+holds its ``output_dir`` until it ends: a second run on the same folder is refused, naming the first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
 
+from searchr1_trl.training.checkpoints import OutputDirLock
 from searchr1_trl.training.plan import PlanError, check_machine, validate_plan
 from searchr1_trl.training.recipe import load_recipe, recipe_path, recipe_values
 
@@ -40,9 +43,12 @@ def main(argv: list[str] | None = None) -> None:
             raise PlanError(f"recipe {recipe}: {error}") from None
         args.recipe = recipe
         validate_plan(args, model_args)
+        # a second run on this folder would silently replace the first one's checkpoints
+        hold = OutputDirLock(args.output_dir).acquire() if args.should_save else contextlib.nullcontext()
     except ValueError as error:  # PlanError included
         sys.exit(f"error: {' '.join(str(error).split())}")
-    train(args, model_args)
+    with hold:
+        train(args, model_args)
 
 
 def train(args, model_args) -> None:

@@ -1,4 +1,4 @@
-"""What a checkpoint folder holds, checked before anything loads it, so a bad folder fails in one line that names it.
+"""Checkpoint folders and the run's output_dir: checked before anything loads them, each problem in one line.
 
 A checkpoint is a whole model (``config.json`` and its weights) or, what the CPU recipe's LoRA run saves, a PEFT
 adapter (``adapter_config.json`` and ``adapter_model.safetensors``) that transformers loads on the base model its
@@ -10,8 +10,12 @@ local path is taken for a Hub id and left to transformers.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import socket
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,3 +114,50 @@ def check_model_folder(checkpoint: str) -> ModelFolder:
                          f"{found}); expected {EXPECTED}")
     check_weights(path)
     return ModelFolder(str(path))
+
+
+# ---- the run's hold on its output_dir ------------------------------------------------------------------------
+
+LOCK_FILE = "_searchr1_run.lock"  # "_*" is left out of a Hub push, as checkpoint-* is
+
+
+class OutputDirLock:
+    """An exclusive hold of ``output_dir`` for one run: a second run on the same folder, whose checkpoints would
+    silently replace the first's, is refused in one line naming the holder.
+
+    The hold is an ``flock`` on :data:`LOCK_FILE`, which the kernel drops when its process dies, however it dies: a
+    lock file left by a dead run holds nothing and is taken over, with no race between two runs taking it at once.
+    The file stays (removing it would let a run lock a file another has just unlinked); it says who holds or held
+    it, for the refusal.
+    """
+
+    def __init__(self, output_dir: str):
+        self.path = Path(output_dir) / LOCK_FILE
+        self._file = None
+
+    def acquire(self) -> OutputDirLock:
+        """Take the hold; ValueError naming the holder when another run has it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        file = self.path.open("a+")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "a run that has not written its pid yet"
+            file.close()
+            raise ValueError(f"output_dir {str(self.path.parent)!r} is in use by another run ({holder}): wait for "
+                             "it to end or stop it, or give this run another output_dir") from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        file.flush()
+        self._file = file
+        return self
+
+    def __enter__(self) -> OutputDirLock:
+        return self if self._file is not None else self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()  # closing drops the flock
+            self._file = None
