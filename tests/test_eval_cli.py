@@ -228,7 +228,8 @@ def test_a_checkpoint_with_truncated_weights_is_refused_in_one_line_naming_the_f
         f.truncate(weights.stat().st_size // 2)
 
     with pytest.raises(SystemExit, match="^" + re.escape(f"error: checkpoint '{checkpoint}': model.safetensors is ")
-                                         + r"[\d,]+ bytes of the [\d,]+ its header describes: the file is truncated"):
+                                         + r"truncated \([\d,]+ of the [\d,]+ bytes its header describes\): a save cut "
+                                           r"short by a kill or a full disk"):
         eval_cli.main(eval_args(checkpoint, two_source_questions, tmp_path / "eval", "--methods", "direct",
                                 "--generator", "transformers"))
 

@@ -8,6 +8,7 @@ Figures go to ``reliability_figures`` (docs/RELIABILITY.md).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -22,7 +23,7 @@ from test_trainer import RecordingStream, small_config
 
 from searchr1_trl.serving import weight_sync
 from searchr1_trl.tasks.search_r1.data import SearchR1Dataset
-from searchr1_trl.training import trainer as trainer_module
+from searchr1_trl.training.checkpoints import checkpoint_problem
 from searchr1_trl.training.recipe import build_task, part_config
 from searchr1_trl.training.trainer import CHECKPOINT_COMPLETE_FILE, SearchR1Trainer
 
@@ -90,14 +91,85 @@ def test_a_run_killed_after_or_during_a_checkpoint_resumes_exactly(tiny_model_di
     assert (Path(args.output_dir) / "checkpoint-3" / CHECKPOINT_COMPLETE_FILE).exists()
 
 
-def test_resume_refuses_an_incomplete_checkpoint_by_name_and_skips_it_when_asked_for_the_newest(tmp_path):
-    for step in (1, 2):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-    (tmp_path / "checkpoint-1" / CHECKPOINT_COMPLETE_FILE).touch()
+@pytest.fixture(scope="module")
+def two_checkpoints(tiny_model_dir, questions_file, tmp_path_factory) -> Path:
+    """A run of the tiny model with checkpoints at steps 1 and 2. One turn of 8 tokens: no search is made (a call
+    in the last turn is not run), so none is served."""
+    out = tmp_path_factory.mktemp("two_checkpoints")
+    args = small_config(out, questions_file, "http://127.0.0.1:9/retrieve", max_steps=2, save_strategy="steps",
+                        save_steps=1, save_total_limit=None, generator="transformers", max_tokens_per_turn=8,
+                        max_turns=1)
+    SearchR1Trainer(model=str(tiny_model_dir), args=args).train()
+    return Path(args.output_dir)
 
-    assert trainer_module.newest_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
-    (tmp_path / "checkpoint-1" / CHECKPOINT_COMPLETE_FILE).unlink()
-    assert trainer_module.newest_complete_checkpoint(str(tmp_path)) is None
+
+def _cut(path: Path) -> None:
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+CORRUPTIONS = {
+    "truncated weights": (lambda c: _cut(c / "model.safetensors"),
+                          r"model\.safetensors is truncated \([\d,]+ of the [\d,]+ bytes its header describes\)"),
+    "truncated optimizer": (lambda c: _cut(c / "optimizer.pt"),
+                            r"optimizer\.pt is not a whole torch file \(truncated\)"),
+    "no trainer_state.json": (lambda c: (c / "trainer_state.json").unlink(), r"trainer_state\.json is missing"),
+    "no completeness marker": (lambda c: (c / CHECKPOINT_COMPLETE_FILE).unlink(),
+                               r"incomplete \(no searchr1_checkpoint_complete: the run stopped while saving it\)"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_resume_skips_a_damaged_newest_checkpoint_saying_why_and_refuses_it_by_name(two_checkpoints, tmp_path,
+                                                                                   corruption, caplog):
+    import shutil
+
+    from searchr1_trl.training.checkpoints import resume_checkpoint
+
+    out = tmp_path / "run"
+    shutil.copytree(two_checkpoints, out)
+    damage, cause = CORRUPTIONS[corruption]
+    damage(out / "checkpoint-2")
+
+    for asked in (True, "true", "latest"):
+        assert resume_checkpoint(str(out), asked) == str(out / "checkpoint-1")
+    assert re.search(f"skipping {re.escape(str(out / 'checkpoint-2'))}: {cause}", caplog.text)
+    assert f"resuming from {out / 'checkpoint-1'}, the newest intact checkpoint" in caplog.text
+    with pytest.raises(ValueError, match=f"^cannot resume from {re.escape(str(out / 'checkpoint-2'))}: {cause}; "
+                                         f"resume from {re.escape(str(out / 'checkpoint-1'))}, the newest intact one"):
+        resume_checkpoint(str(out), str(out / "checkpoint-2"))
+    assert resume_checkpoint(str(out), str(out / "checkpoint-1")) == str(out / "checkpoint-1")
+
+
+def test_the_command_line_resumes_from_the_newest_intact_checkpoint_with_true(two_checkpoints, tiny_model_dir,
+                                                                             questions_file, tmp_path, caplog):
+    import shutil
+
+    from conftest import serve_health
+
+    from searchr1_trl.cli.train import main as train_main
+
+    out = tmp_path / "run"
+    shutil.copytree(two_checkpoints, out)
+    _cut(out / "checkpoint-2" / "optimizer.pt")
+    command = ["--config", "offline", "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out),
+               "--train_data_path", questions_file, "--use_peft", "false", "--generator", "transformers",
+               "--max_steps", "2", "--max_turns", "1", "--max_tokens_per_turn", "8", "--save_steps", "1"]
+    retriever = serve_health()
+    command += ["--search_url", f"http://127.0.0.1:{retriever.server_port}/retrieve"]
+    try:
+        train_main([*command, "--resume_from_checkpoint", "true"])
+        empty = tmp_path / "empty"
+        with pytest.raises(SystemExit, match="^" + re.escape(f"error: resume_from_checkpoint='latest', but {empty} "
+                                                             "has no checkpoint-* folder to resume from")):
+            train_main([*command, "--output_dir", str(empty), "--resume_from_checkpoint", "latest"])
+    finally:
+        retriever.shutdown()
+
+    assert f"resuming from {out / 'checkpoint-1'}, the newest intact checkpoint" in caplog.text
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and len([e for e in state["log_history"] if "loss" in e]) == 2
+    assert checkpoint_problem(out / "checkpoint-2") is None  # saved again, whole
 
 
 @pytest.mark.slow  # starts or uses the real retrieval server

@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from searchr1_trl.training.checkpoints import OutputDirLock
+from searchr1_trl.training.checkpoints import OutputDirLock, resume_checkpoint
 from searchr1_trl.training.plan import PlanError, check_machine, validate_plan
 from searchr1_trl.training.recipe import load_recipe, recipe_path, recipe_values
 
@@ -28,26 +28,28 @@ logger = logging.getLogger(__name__)
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        if "--config" in argv:
-            i = argv.index("--config") + 1
-            argv[i] = str(recipe_path(argv[i]))
-        recipe = Path(argv[argv.index("--config") + 1]).stem if "--config" in argv else "command line"
-        if {"-h", "--help"} & set(argv):
-            print(__doc__)  # then the fields, from the parser
-        else:
-            check_machine(recipe, recipe_values(argv))  # before the config exists: see recipe_values
+    with contextlib.ExitStack() as hold:
         try:
-            args, model_args = load_recipe(argv)
-        except ValueError as error:  # a field the trainer owns, a bad value: one line, not a traceback
-            raise PlanError(f"recipe {recipe}: {error}") from None
-        args.recipe = recipe
-        validate_plan(args, model_args)
-        # a second run on this folder would silently replace the first one's checkpoints
-        hold = OutputDirLock(args.output_dir).acquire() if args.should_save else contextlib.nullcontext()
-    except ValueError as error:  # PlanError included
-        sys.exit(f"error: {' '.join(str(error).split())}")
-    with hold:
+            if "--config" in argv:
+                i = argv.index("--config") + 1
+                argv[i] = str(recipe_path(argv[i]))
+            recipe = Path(argv[argv.index("--config") + 1]).stem if "--config" in argv else "command line"
+            if {"-h", "--help"} & set(argv):
+                print(__doc__)  # then the fields, from the parser
+            else:
+                check_machine(recipe, recipe_values(argv))  # before the config exists: see recipe_values
+            try:
+                args, model_args = load_recipe(argv)
+            except ValueError as error:  # a field the trainer owns, a bad value: one line, not a traceback
+                raise PlanError(f"recipe {recipe}: {error}") from None
+            args.recipe = recipe
+            validate_plan(args, model_args)
+            if args.should_save:  # a second run on this folder would silently replace this one's checkpoints
+                hold.enter_context(OutputDirLock(args.output_dir))
+            # verified now, not minutes later once the model is loaded; `true` and `latest` arrive as strings
+            args.resume_from_checkpoint = resume_checkpoint(args.output_dir, args.resume_from_checkpoint)
+        except ValueError as error:  # PlanError included
+            sys.exit(f"error: {' '.join(str(error).split())}")
         train(args, model_args)
 
 

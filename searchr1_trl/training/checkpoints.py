@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import struct
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
@@ -54,34 +58,41 @@ def _safetensors_gap(path: Path) -> str | None:
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            return f"{path.name} is {size} bytes, shorter than a safetensors header"
+            return f"{path.name} is truncated ({size} bytes, less than a safetensors header)"
         (length,) = struct.unpack("<Q", head)
         if 8 + length > size:
-            return f"{path.name} is {size:,} bytes but its header alone needs {8 + length:,}"
+            return f"{path.name} is truncated ({size:,} of the {8 + length:,} bytes its header alone needs)"
         try:
             header = json.loads(f.read(length))
             end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
         except (ValueError, KeyError, TypeError, IndexError):
             return f"{path.name} has an unreadable safetensors header"
     if 8 + length + end > size:
-        return f"{path.name} is {size:,} bytes of the {8 + length + end:,} its header describes"
+        return f"{path.name} is truncated ({size:,} of the {8 + length + end:,} bytes its header describes)"
     return None
 
 
-def check_weights(folder: Path) -> None:
-    """ValueError naming the first safetensors file of ``folder`` that is truncated, or a shard its index lists that
-    is missing."""
+def weights_problem(folder: Path) -> str | None:
+    """The first safetensors file of ``folder`` that is cut short, or a shard its index lists that is missing, in a
+    few words; None when the weights are whole."""
     for index in folder.glob("*.safetensors.index.json"):
         shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
         missing = [name for name in shards if not (folder / name).is_file()]
         if missing:
-            raise ValueError(f"checkpoint {str(folder)!r}: {index.name} lists {', '.join(missing)}, which is not "
-                             "there: the save was cut short; use an earlier checkpoint or save it again")
+            return f"{', '.join(missing)}, listed in {index.name}, is missing"
     for path in sorted(folder.glob("*.safetensors")):
         gap = _safetensors_gap(path)
         if gap:
-            raise ValueError(f"checkpoint {str(folder)!r}: {gap}: the file is truncated (a save cut short by a kill "
-                             "or a full disk); use an earlier checkpoint or save it again")
+            return gap
+    return None
+
+
+def check_weights(folder: Path) -> None:
+    """ValueError in one line when the weights of ``folder`` are not whole (:func:`weights_problem`)."""
+    problem = weights_problem(folder)
+    if problem:
+        raise ValueError(f"checkpoint {str(folder)!r}: {problem}: a save cut short by a kill or a full disk; use "
+                         "an earlier checkpoint or save it again")
 
 
 def check_model_folder(checkpoint: str) -> ModelFolder:
@@ -161,3 +172,86 @@ class OutputDirLock:
         if self._file is not None:
             self._file.close()  # closing drops the flock
             self._file = None
+
+
+# ---- which checkpoint a run resumes from ---------------------------------------------------------------------
+
+STREAM_STATE_FILE = "question_stream.json"
+CHECKPOINT_COMPLETE_FILE = "searchr1_checkpoint_complete"  # written last: the checkpoint can be resumed from
+NEWEST = ("true", "latest")  # what resume_from_checkpoint says on the command line for "the newest intact one"
+
+
+def _whole_torch_file(path: Path) -> bool:
+    """Whether a ``torch.save`` file is whole: it is a zip whose directory, written last, is at its end. Reading
+    the directory is cheap where loading an optimizer state would take its size in memory."""
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why ``folder`` cannot be resumed from, in a few words naming the file; None when it can.
+
+    Resumable: marked complete by the trainer (:data:`CHECKPOINT_COMPLETE_FILE`, written last), its
+    ``trainer_state.json`` and question stream state readable, every safetensors file as long as its header says,
+    and every ``torch.save`` file (optimizer, scheduler, RNG, DeepSpeed shards) a whole zip.
+    """
+    if not folder.is_dir():
+        return "no such folder"
+    if not (folder / CHECKPOINT_COMPLETE_FILE).exists():
+        return f"incomplete (no {CHECKPOINT_COMPLETE_FILE}: the run stopped while saving it)"
+    for name in ("trainer_state.json", STREAM_STATE_FILE):
+        try:
+            json.loads((folder / name).read_text())
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except (ValueError, OSError):
+            return f"{name} is not readable JSON"
+    problem = weights_problem(folder)
+    if problem:
+        return problem
+    for path in sorted(p for suffix in ("pt", "pth", "bin") for p in folder.rglob(f"*.{suffix}")):
+        if not _whole_torch_file(path):
+            return f"{path.relative_to(folder)} is not a whole torch file (truncated)"
+    return None
+
+
+def _step(folder: Path) -> int:
+    suffix = folder.name.rsplit("-", 1)[-1]
+    return int(suffix) if suffix.isdigit() else -1
+
+
+def newest_intact_checkpoint(output_dir: str) -> str | None:
+    """The ``checkpoint-<step>`` folder of ``output_dir`` with the highest step that can be resumed from
+    (:func:`checkpoint_problem`), or None; each newer one is skipped with a warning saying why."""
+    for folder in sorted(Path(output_dir).glob("checkpoint-*"), key=_step, reverse=True):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return str(folder)
+        logger.warning("skipping %s: %s", folder, problem)
+    return None
+
+
+def resume_checkpoint(output_dir: str, requested: str | bool | None) -> str | None:
+    """The checkpoint a run resumes from: None for none; for ``True``, ``"true"`` or ``"latest"`` the newest intact
+    one (saying which, and why newer ones were skipped); a path if it is intact. ValueError in one line otherwise,
+    naming the problem and the newest intact checkpoint there is."""
+    if requested in (None, False, "", "false"):
+        return None
+    if requested is True or str(requested).lower() in NEWEST:
+        chosen = newest_intact_checkpoint(output_dir)
+        if chosen is None:
+            raise ValueError(f"resume_from_checkpoint={requested!r}, but {output_dir} has no checkpoint-* folder "
+                             "to resume from (none, or none intact: see the warnings above)")
+        logger.warning("resuming from %s, the newest intact checkpoint of %s", chosen, output_dir)
+        return chosen
+    problem = checkpoint_problem(Path(requested))
+    if problem is not None:
+        folder = Path(requested).parent
+        intact = newest_intact_checkpoint(str(folder)) if folder.is_dir() else None
+        instead = (f"resume from {intact}, the newest intact one, or" if intact else "") + \
+            " pass resume_from_checkpoint=latest for the newest intact one"
+        raise ValueError(f"cannot resume from {requested}: {problem}; {instead.strip()}")
+    return str(requested)

@@ -7,7 +7,8 @@ What this subclass decides, and nothing more:
   optimizer's).
 - **A checkpoint is complete or ignored**: the stream state is written (atomically) first, a
   :data:`CHECKPOINT_COMPLETE_FILE` marker last, and older checkpoints are rotated away only after the marker, so a
-  kill at any moment leaves a complete checkpoint; ``resume_from_checkpoint=True`` takes the newest complete one.
+  kill at any moment leaves a complete checkpoint; ``resume_from_checkpoint=True`` (``latest``) takes the newest one
+  whose files are whole (:func:`~searchr1_trl.training.checkpoints.resume_checkpoint`).
 - **Rollouts** go through TRL's ``rollout_func`` hook: the generic :class:`~searchr1_trl.engine.rollout.RolloutEngine`
   drives one :class:`~searchr1_trl.tasks.search_r1.env.SearchR1Env` per rollout, built for that row's sample; the
   returned
@@ -90,6 +91,7 @@ from searchr1_trl.tasks.search_r1.data import QuestionBatches, SearchR1Sample, t
 from searchr1_trl.training import evaluation
 from searchr1_trl.training.as_trained import save_recipe
 from searchr1_trl.training.callbacks import CollapseGuard, DivergentStepGuard, NonFiniteGradientGuard
+from searchr1_trl.training.checkpoints import CHECKPOINT_COMPLETE_FILE, STREAM_STATE_FILE, resume_checkpoint
 from searchr1_trl.training.experimental import async_rollouts
 from searchr1_trl.training.recipe import SearchR1Config, SearchR1Task, build_task, part_config
 from searchr1_trl.training.rows import with_placeholder_completion
@@ -101,8 +103,6 @@ class SearchOutage(RuntimeError):
     """More of a step's searches failed than the recipe allows (``max_failed_search_fraction``)."""
 
 
-STREAM_STATE_FILE = "question_stream.json"
-CHECKPOINT_COMPLETE_FILE = "searchr1_checkpoint_complete"  # written last: the checkpoint can be resumed from
 
 
 class SearchR1Trainer(GRPOTrainer):
@@ -556,16 +556,8 @@ class SearchR1Trainer(GRPOTrainer):
             save_recipe(self.args, output_dir or self.args.output_dir)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete "
-                                 f"checkpoint-* folder (one with {CHECKPOINT_COMPLETE_FILE})")
+        resume_from_checkpoint = resume_checkpoint(self.args.output_dir, resume_from_checkpoint)  # verified
         if resume_from_checkpoint:
-            if not (Path(resume_from_checkpoint) / CHECKPOINT_COMPLETE_FILE).exists():
-                raise ValueError(f"{resume_from_checkpoint} is incomplete (no {CHECKPOINT_COMPLETE_FILE}: the run "
-                                 f"stopped while saving it); resume from an earlier checkpoint or pass "
-                                 f"resume_from_checkpoint=True for the newest complete one")
             state_file = Path(resume_from_checkpoint) / STREAM_STATE_FILE
             self.train_stream.load_state_dict(json.loads(state_file.read_text()))
         with self._event_loop():
@@ -628,20 +620,3 @@ def _write_atomically(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def newest_complete_checkpoint(output_dir: str) -> str | None:
-    """The ``checkpoint-<step>`` folder of ``output_dir`` with the highest step that was completely written, or None.
-
-    Incomplete ones (a kill while saving) are skipped with a warning: resuming from them would fail or, worse,
-    resume from a mix of two steps.
-    """
-    folders = sorted(Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"),
-                     key=lambda p: int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit() else -1,
-                     reverse=True)
-    for folder in folders:
-        if (folder / CHECKPOINT_COMPLETE_FILE).exists():
-            return str(folder)
-        logger.warning("skipping %s: incomplete (no %s), the run stopped while saving it", folder,
-                       CHECKPOINT_COMPLETE_FILE)
-    return None
