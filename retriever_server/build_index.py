@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -144,7 +145,10 @@ def build(config: BuildConfig, encoder_config: EncoderConfig, index_config: Inde
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[build_index] %(message)s")
     parser = HfArgumentParser([BuildConfig, EncoderConfig, IndexConfig], description=__doc__)
-    build(*parser.parse_args_into_dataclasses(args=argv))
+    try:
+        build(*parser.parse_args_into_dataclasses(args=argv))
+    except (ValueError, OSError) as error:  # a bad corpus or path: which file, which line, in one line
+        sys.exit("error: " + " ".join(str(error).split()))
 
 
 if __name__ == "__main__":

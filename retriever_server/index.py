@@ -28,6 +28,8 @@ import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
+from retriever_server.corpus_check import first_bad_line
+
 logger = logging.getLogger(__name__)
 
 INDEX_TYPES = ("flat", "hnsw", "ivfpq")
@@ -308,8 +310,16 @@ class Corpus:
         """Read wiki-18-format JSONL (one ``{"id", "contents"}`` per line) or a Parquet file with those columns."""
         if Path(path).suffix == ".parquet":
             return cls(pq.read_table(path))
-        # Large blocks so one long passage cannot straddle a block boundary (pyarrow rejects that).
-        return cls(pa_json.read_json(path, read_options=pa_json.ReadOptions(block_size=64 << 20)))
+        try:
+            # Large blocks so one long passage cannot straddle a block boundary (pyarrow rejects that).
+            table = pa_json.read_json(path, read_options=pa_json.ReadOptions(block_size=64 << 20))
+            table.validate(full=True)  # the UTF-8 of every string: the reader does not check it
+            corpus = cls(table)
+        except (pa.ArrowInvalid, ValueError) as error:
+            raise ValueError(first_bad_line(path) or f"{path}: {error}") from None
+        if corpus.table.column("contents").null_count:  # a line without contents
+            raise ValueError(first_bad_line(path) or f"{path}: a passage has no 'contents'")
+        return corpus
 
     def __len__(self) -> int:
         return self.table.num_rows

@@ -510,3 +510,29 @@ def test_the_kernel_compiles_for_hopper_at_each_default_config(monkeypatch, batc
 
     assert kernel.metadata.shared <= 227 * 1024
     assert ("wgmma.mma_async" in kernel.asm["ptx"]) == (config["BLOCK_M"] >= 64)
+
+
+GOOD_LINE = b'{"id": "1", "contents": "Super Bowl 50\\nDenver won."}\n'
+
+
+@pytest.mark.parametrize(("text", "where", "cause"), [
+    (b"", "", "the file is empty; expected one JSON object with a 'contents' string per line"),
+    (GOOD_LINE + b'{"id": "2", "contents": "Caf\xe9"}\n', ":2",
+     "not valid UTF-8 (byte 29 of the line: b'\\xe9\"}\\n')"),
+    (GOOD_LINE + b'{"id": "2", "text": "Denver"}\n' + GOOD_LINE, ":2",
+     "no 'contents' (keys: id, text); expected a 'contents' string"),
+    (GOOD_LINE + b"\n" + b'{"id": "2", "contents": 50}\n', ":3", "'contents' is 50; expected a 'contents' string"),
+    (GOOD_LINE * 2 + b'{"id": "3", "conte', ":3", "the last line is cut short (Unterminated string starting at: line 1 "
+                                                  "column 13 (char 12)); was the file copied whole?"),
+], ids=["empty", "invalid UTF-8", "no contents", "contents not a string", "cut-short last line"])
+def test_build_index_names_the_file_and_line_of_a_bad_corpus_in_one_line(text, where, cause, offline_assets,
+                                                                         tmp_path):
+    from retriever_server.build_index import main as build_main
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(text)
+
+    with pytest.raises(SystemExit) as stop:
+        build_main(["--corpus_path", str(corpus), "--index_path", str(tmp_path / "index.faiss"),
+                    "--retriever_model", offline_assets.embedder])
+    assert stop.value.code == f"error: {corpus}{where}: {cause}"
