@@ -324,6 +324,16 @@ class Corpus:
     def __len__(self) -> int:
         return self.table.num_rows
 
+    def contents_bytes(self, rows: np.ndarray) -> int:
+        """The UTF-8 bytes of the rows' ``contents``, from the column's offsets: nothing is read or copied."""
+        column = self.table.column("contents")
+        if column.num_chunks == 0:
+            return 0
+        chunk = column.chunk(0)  # one chunk: combine_chunks
+        offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int64)[chunk.offset:]
+        rows = np.asarray(rows, dtype=np.int64).ravel()
+        return int((offsets[rows + 1] - offsets[rows]).sum())
+
     def take(self, rows: np.ndarray) -> list[dict]:
         """Rows (any shape, flattened) -> their documents as dicts, in order."""
         return self.table.take(pa.array(np.asarray(rows, dtype=np.int64).ravel())).to_pylist()

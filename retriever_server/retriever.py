@@ -113,8 +113,34 @@ def _check_corpus(built: dict, corpus: Corpus, corpus_path: str, sidecar_file: P
 class Hits:
     """One query's results, best first."""
 
-    documents: list[dict]
+    documents: Sequence[dict]  # a list, or the corpus rows as :class:`Passages`
     scores: list[float]
+
+
+class Passages(Sequence):
+    """One query's documents, read from the corpus when first used, so the server can weigh a response
+    (:func:`passage_bytes`) before it builds one."""
+
+    def __init__(self, corpus: Corpus, rows: np.ndarray):
+        self.corpus, self.rows, self._documents = corpus, rows, None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        if self._documents is None:
+            self._documents = self.corpus.take(self.rows)
+        return self._documents[index]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+
+def passage_bytes(documents: Sequence[dict]) -> int:
+    """The bytes of the documents' ``contents``; of :class:`Passages`, read from the corpus's offsets, not the text."""
+    if isinstance(documents, Passages):
+        return documents.corpus.contents_bytes(documents.rows)
+    return sum(len(str(d.get("contents", "")).encode()) for d in documents)
 
 
 class Retriever:
@@ -163,10 +189,10 @@ class Retriever:
         scores, rows = self._search_index(vectors, k)
         # Each query keeps its own prefix of the shared top-k; faiss marks missing results (IVF, HNSW) with -1.
         keep = (np.arange(k)[None, :] < np.asarray(topks)[:, None]) & (rows >= 0)
-        documents = self.corpus.take(rows[keep])
+        found = rows[keep]
         flat_scores = scores[keep].tolist()
         bounds = np.concatenate([[0], np.cumsum(keep.sum(axis=1))]).tolist()
-        return [Hits(documents[a:b], flat_scores[a:b]) for a, b in itertools.pairwise(bounds)]
+        return [Hits(Passages(self.corpus, found[a:b]), flat_scores[a:b]) for a, b in itertools.pairwise(bounds)]
 
     def _search_index(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The index's search; a batch the GPU has no memory for is searched as two halves, down to single vectors.

@@ -18,6 +18,8 @@ between thousands of model-written queries:
   slices with the small ones in between, so one valid request cannot stall the others; requests larger than one
   batch are admitted by cost (``max_bulk_chars``; another gets 429 with ``Retry-After``), so nine of them cannot
   either; a request whose client disconnects stops being searched;
+- a request's headers are bounded in bytes (``max_header_bytes``, 431) and in time (``header_timeout_s``, 408), and
+  its answer in passage bytes (``max_response_bytes``, 413, refused before the passages are read);
 - no interactive docs or OpenAPI schema are served;
 - it does not start with parts that cannot answer: an encoder or corpus other than the index was built with
   (the index's sidecar, ``retriever.py``), or a probe query that fails, is one line on stderr and exit status 1,
@@ -58,9 +60,10 @@ from transformers import HfArgumentParser
 
 from retriever_server.batching import BadQuery, BatcherConfig, Busy, MicroBatcher, QueueFull
 from retriever_server.encoder import EncoderConfig
+from retriever_server.http_limits import bounded_protocol
 from retriever_server.index import SearchConfig
 from retriever_server.metrics import Metrics
-from retriever_server.retriever import Hits, Retriever, set_cpu_threads
+from retriever_server.retriever import Hits, Retriever, passage_bytes, set_cpu_threads
 
 PROBE_QUERY = "Who won Super Bowl 50?"
 BUSY_RETRY_AFTER_S = 1
@@ -82,6 +85,15 @@ class ServerConfig:
                           "40 at topk 100. 1,024 queries at topk 100 took 130-160 s on 2 cores and returned 100 MB."},
     )
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "Largest request body, checked before parsing."})
+    max_response_bytes: int = field(
+        default=64 << 20,
+        metadata={"help": "Most passage bytes one response may carry (the client's own max_response_bytes): a "
+                          "request whose hits hold more is refused with 413 before they are read. With one 1 MB "
+                          "passage in the corpus, a 27 KB request got a 270 MB response."},
+    )
+    max_header_bytes: int = field(default=32 << 10, metadata={"help": "Most bytes of one request's headers (431)."})
+    header_timeout_s: float = field(
+        default=10.0, metadata={"help": "Seconds a connection may take to send a request's headers (408)."})
     host: str = field(default="127.0.0.1", metadata={"help": "Interface to bind (0.0.0.0 to serve other hosts)."})
     port: int = field(default=8000, metadata={"help": "Port to listen on."})
     cpu_threads: int | None = field(default=None, metadata={"help": "torch/faiss CPU threads (default: all cores)."})
@@ -181,7 +193,7 @@ async def _client_left(request: Request) -> None:
 
 def format_result(hits: list[Hits], return_scores: bool) -> list[list[dict]]:
     if not return_scores:
-        return [h.documents for h in hits]
+        return [list(h.documents) for h in hits]
     return [[{"document": d, "score": s} for d, s in zip(h.documents, h.scores, strict=True)] for h in hits]
 
 
@@ -250,6 +262,12 @@ def create_app(retriever: Retriever, config: ServerConfig, batcher_config: Batch
             raise await busy(exc) from None
         except BadQuery as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from None
+        size = sum(passage_bytes(h.documents) for h in hits)
+        if size > config.max_response_bytes:
+            found = sum(len(h.documents) for h in hits)
+            raise HTTPException(status_code=413, detail=f"response: the {found} passages found hold {size:,} bytes, "
+                                                        f"more than max_response_bytes={config.max_response_bytes:,}; "
+                                                        "ask for fewer queries or a smaller topk")
         response = json_response({"result": format_result(hits, parsed.return_scores)})
         metrics.record_request(len(parsed.queries), time.monotonic() - start)
         return response
@@ -306,6 +324,7 @@ def main(argv: list[str] | None = None, adapt: Callable[[Retriever], Retriever] 
     parser = HfArgumentParser([ServerConfig, EncoderConfig, SearchConfig, BatcherConfig], description=__doc__)
     try:
         config, encoder_config, search_config, batcher_config = parser.parse_args_into_dataclasses(args=argv)
+        http = bounded_protocol(config.max_header_bytes, config.header_timeout_s)
         set_cpu_threads(config.cpu_threads)
         start = time.monotonic()
         retriever = Retriever.from_paths(config.index_path, config.corpus_path, encoder_config, search_config)
@@ -317,7 +336,8 @@ def main(argv: list[str] | None = None, adapt: Callable[[Retriever], Retriever] 
     logger.info("loaded %d passages in %.1fs; serving on http://%s:%d", len(retriever.corpus),
                 time.monotonic() - start, config.host, config.port)
     app = create_app(retriever, config, batcher_config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,
+                http=http)
 
 
 if __name__ == "__main__":

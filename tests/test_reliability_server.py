@@ -9,7 +9,9 @@ Figures go to ``reliability_figures`` (docs/RELIABILITY.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import socket
 import time
 
@@ -477,3 +479,71 @@ def test_beside_nine_maximal_requests_every_good_request_is_answered_and_all_but
     # answer held back one second (Retry-After), however fast they resend.
     assert nine["extra_statuses"] == [429] and 8 <= nine["extra_429"] <= 8 * (LOAD_S + 1)
     assert metrics(base_url)['rejected_total{status="429"}'] >= nine["extra_429"]
+
+
+@pytest.fixture(scope="module")
+def bounded_server(retriever_server, tmp_path_factory):
+    """A second server on the same index with small input bounds: 4 KiB of headers, 1 s to send them, 2,000 passage
+    bytes per response (about three SQuAD paragraphs)."""
+    from retriever_server.launch import RetrieverProcess
+    from searchr1_trl.serving.processes import free_port
+
+    log = tmp_path_factory.mktemp("bounded") / "server.log"
+    with RetrieverProcess(index_path=retriever_server.index_path, corpus_path=retriever_server.corpus_path,
+                          retriever_model=retriever_server.retriever_model, port=free_port(), log_file=str(log),
+                          extra_args=("--max_header_bytes", "4096", "--header_timeout_s", "1",
+                                      "--max_response_bytes", "2000")) as server:
+        yield server
+
+
+def _raw_exchange(port: int, data: bytes, wait_s: float = 10.0) -> tuple[int | None, str, float]:
+    """(status, body, seconds until the server closed) for ``data`` sent on a fresh connection; None: no answer."""
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as sock:
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            sock.sendall(data)
+        received = b""
+        with contextlib.suppress(ConnectionResetError, socket.timeout):
+            while chunk := sock.recv(65536):
+                received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    status = int(head.split()[1]) if head.startswith(b"HTTP/1.1 ") else None
+    return status, body.decode(errors="replace"), time.monotonic() - start
+
+
+@pytest.mark.parametrize("headers", [b"X-Big: " + b"a" * (1 << 20) + b"\r\n",
+                                     b"".join(b"X-%d: 1\r\n" % i for i in range(5000))], ids=["one 1 MiB", "5,000"])
+def test_headers_over_max_header_bytes_get_431_naming_the_limit(bounded_server, headers, reliability_figures):
+    port = int(bounded_server.url.split(":")[2].split("/")[0])
+    request = b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n" + headers + b"\r\n{}"
+
+    status, body, _ = _raw_exchange(port, request)
+
+    assert (status, json.loads(body)) == (431, {"detail": "headers: more than max_header_bytes=4096 bytes"})
+    reliability_figures.setdefault("server_input_bounds", {})[f"headers {len(headers):,} bytes"] = status
+    assert httpx.post(bounded_server.url, json={"queries": ["Super Bowl"], "topk": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /retrieve HTTP/1.1\r\nHost: x\r\n"], ids=["nothing", "half"])
+def test_a_connection_that_stalls_before_its_headers_end_gets_408_and_is_closed(bounded_server, sent,
+                                                                               reliability_figures):
+    port = int(bounded_server.url.split(":")[2].split("/")[0])
+
+    status, body, seconds = _raw_exchange(port, sent)
+
+    assert (status, json.loads(body)) == (408, {"detail": "headers: not complete within header_timeout_s=1"})
+    assert 0.9 < seconds < 5, seconds
+    reliability_figures.setdefault("server_input_bounds", {})[f"stalled after {len(sent)} bytes: closed after s"] = \
+        round(seconds, 2)
+
+
+def test_a_response_over_max_response_bytes_is_refused_with_413_before_it_is_built(bounded_server,
+                                                                                  reliability_figures):
+    small = httpx.post(bounded_server.url, json={"queries": ["Super Bowl 50"], "topk": 1})
+    big = httpx.post(bounded_server.url, json={"queries": [f"question {i}" for i in range(10)], "topk": 3})
+
+    assert small.status_code == 200
+    assert big.status_code == 413 and re.fullmatch(
+        r"response: the 30 passages found hold [\d,]+ bytes, more than max_response_bytes=2,000; ask for fewer "
+        r"queries or a smaller topk", big.json()["detail"]), big.text
+    reliability_figures.setdefault("server_input_bounds", {})["30 passages over 2,000 bytes"] = big.status_code
