@@ -321,7 +321,9 @@ def check_generator(kind: str, checkpoint: str, url: str | None = None) -> Model
     loads."""
     if kind not in ("vllm", "transformers"):
         raise ValueError(f"generator={kind!r}; expected 'vllm' or 'transformers'")
-    folder = check_model_folder(checkpoint)
+    # a vLLM server may serve a model by a name that is no folder here: only the server can say
+    served_by_name = kind == "vllm" and not Path(checkpoint).expanduser().exists()
+    folder = ModelFolder(checkpoint) if served_by_name else check_model_folder(checkpoint)
     if kind == "vllm" and folder.base_model:
         raise ValueError(f"checkpoint {checkpoint!r} is a LoRA adapter of {folder.base_model!r} and a vLLM server "
                          "serves whole models: use --generator transformers (it loads the adapter on its base model) "
