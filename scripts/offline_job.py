@@ -38,6 +38,7 @@ import yaml
 from searchr1_trl.assets.offline import corpus_slice, prepare
 from searchr1_trl.cli import launch  # the launcher plans in a child process: this one holds no trl
 from searchr1_trl.serving.launch import run_node
+from searchr1_trl.serving.processes import exit_on_signals
 
 ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger("offline_job")
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--model", help="model folder to train and serve (default: the offline model)")
     parser.add_argument("--dry_run", action="store_true", help="print the launch commands and exit")
     args, overrides = parser.parse_known_args()
+    exit_on_signals()  # SIGTERM/SIGINT to the job: every child is stopped on the way out
     logging.basicConfig(level=logging.INFO, format="[offline_job %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     start = time.monotonic()
     # For every process started here: glibc's adaptive mmap threshold (up to 32 MiB) keeps freed tensors in the heap,

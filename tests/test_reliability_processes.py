@@ -145,3 +145,38 @@ def test_a_server_that_dies_under_the_trainer_stops_it_at_once_and_is_named():
                       needs={"the vLLM server": (server, "/tmp/vllm.log")})
 
     assert time.monotonic() - start < 30
+
+
+# A job as scripts/offline_job.py runs one: signals turned into an exit, a server under the reaper, then the trainer
+# through run_reporting. The job prints its server's process group, the trainer its own pid.
+JOB = textwrap.dedent("""
+    import contextlib, sys
+    from searchr1_trl.serving.processes import exit_on_signals, owned_popen, run_reporting
+
+    exit_on_signals()
+    with contextlib.ExitStack() as servers:
+        server = owned_popen(["sleep", "600"])
+        servers.callback(server.terminate)
+        print(server.pid, flush=True)
+        run_reporting("trainer", [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); "
+                                                        "time.sleep(600)"])
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_signal_to_the_jobs_own_pid_stops_the_trainer_and_the_servers(sig, reliability_figures):
+    job = subprocess.Popen([sys.executable, "-c", JOB], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                           stdout=subprocess.PIPE, text=True)
+    started = {"server_group": int(job.stdout.readline()), "trainer": int(job.stdout.readline())}
+    assert _alive(started["trainer"]) and _group(started["server_group"])
+
+    sent = time.monotonic()
+    job.send_signal(sig)
+    deadline = sent + 30
+    while (_alive(started["trainer"]) or _group(started["server_group"])) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped_s = time.monotonic() - sent
+
+    assert not _alive(started["trainer"]) and not _group(started["server_group"]), "a child outlived the job"
+    assert job.wait(timeout=30) == (-signal.SIGKILL if sig == signal.SIGKILL else 128 + sig)
+    reliability_figures.setdefault("children_stopped_after_a_signal_to_the_job_s", {})[sig.name] = round(stopped_s, 2)

@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from searchr1_trl.assets.offline import resolve_path
-from searchr1_trl.serving.processes import owned_popen, run_reporting
+from searchr1_trl.serving.processes import exit_on_signals, owned_popen, run_reporting
 from searchr1_trl.serving.vllm_server import IPC_WORKER_EXTENSION, VLLMServerConfig
 
 logger = logging.getLogger(__name__)
@@ -309,7 +309,9 @@ def _stop(server: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 def run_node(processes: list[Process], node: int, startup_timeout_s: float = 1800.0) -> None:
     """Run machine ``node``'s processes (see the module docstring) until its trainer ends, or, on a machine without
-    one, until a server exits; RuntimeError saying which process failed and how."""
+    one, until a server exits; RuntimeError saying which process failed and how. SIGTERM or SIGINT to this process
+    stops them all on the way out (:func:`~searchr1_trl.serving.processes.exit_on_signals`)."""
+    exit_on_signals()
     mine = [p for p in processes if p.node == node]
     trainer = next((p for p in mine if p.role == "trainer"), None)
     with contextlib.ExitStack() as stack:

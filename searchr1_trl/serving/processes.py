@@ -44,6 +44,21 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
 
+def exit_on_signals() -> None:
+    """Make SIGTERM (and SIGINT) end this process as ``sys.exit(128 + signal)`` from the main thread, so every
+    ``finally`` and context manager between here and the children runs and stops them: Python's default SIGTERM
+    ends the process on the spot, and a trainer started by a job that ``kill``, supervisord or a scheduler's first
+    signal stopped ran on for 47 s, wrote a checkpoint after the job had exited, then died of connection refused."""
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop; the cleanup itself may take a while
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
 def owned_popen(command: list[str], **kwargs) -> subprocess.Popen:
     """``subprocess.Popen(command)`` whose process group dies with this process; the returned process is the
     reaper, leader of that group (``os.killpg(p.pid, SIGTERM)`` stops it all)."""
@@ -138,9 +153,14 @@ def run_reporting(name: str, command: list[str], needs: dict[str, tuple[subproce
 
     ``needs``: the servers the child works through, ``{name: (process, where its log is)}``. If one exits while the
     child runs, the child is stopped at once and the error names that server and its log: the trainer would otherwise
-    wait out its own timeout (600 s for a vLLM server that died while starting) and report only that it waited."""
+    wait out its own timeout (600 s for a vLLM server that died while starting) and report only that it waited.
+
+    The child dies with this process (``PR_SET_PDEATHSIG``), and is stopped (SIGTERM, SIGKILL after 30 s) when this
+    call ends otherwise than by the child's exit: an exception, or a signal turned into one (:func:`exit_on_signals`).
+    """
     oom_kills_before = _oom_kills()
-    with subprocess.Popen(command, **kwargs) as child:
+    # The child dies with this process (SIGTERM), however it ends; the cleanup below is for an ordinary end.
+    with subprocess.Popen(command, preexec_fn=die_with_parent, **kwargs) as child:
         peak = _PeakMemory(child.pid)
         try:
             while child.poll() is None:
