@@ -43,6 +43,9 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
     blackout = f["outage_rollouts"]
     resumes = f["kill_and_resume"]
     escapes = f["parse_fuzz"]["escapes"] + f["rollout_fuzz"]["escapes"]
+    stopped = f["children_stopped_after_a_signal_to_the_job_s"]
+    bounds = f["server_input_bounds"]
+    resumed = f["resume_past_a_damaged_checkpoint_2"]
     return [
         ("other rollouts lost per malformed turn", "0",
          f"{lost} (over {len(malformed)} malformed-turn shapes x 7 rollouts beside each; {f['rollout_fuzz']['control_lost']} "
@@ -93,6 +96,29 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
         ("orphans left after the parent's SIGKILL", "0", str(f["orphans_after_parent_sigkill"]),
          f["orphans_after_parent_sigkill"] == 0,
          "test_reliability_processes: test_servers_die_with_a_parent_killed_by_sigkill"),
+        ("children left when the job's own pid gets a signal (trainer, servers)", "0, within 5 s",
+         "0; all stopped after " + ", ".join(f"{name} {s:.2f} s" for name, s in sorted(stopped.items())),
+         len(stopped) == 3 and max(stopped.values()) < 5,
+         "test_reliability_processes: test_a_signal_to_the_jobs_own_pid_stops_the_trainer_and_the_servers"),
+        ("hostile headers and oversized answers (limits 4 KiB, 1 s, 2,000 bytes)", "a 4xx naming the limit",
+         "; ".join(f"{name}: {value}" for name, value in sorted(bounds.items())),
+         sorted(v for k, v in bounds.items() if not k.startswith("stalled")) == [413, 431, 431]
+         and all(v < 5 for k, v in bounds.items() if k.startswith("stalled")),
+         "test_reliability_server: test_headers_over_max_header_bytes_get_431_naming_the_limit, "
+         "test_a_connection_that_stalls_before_its_headers_end_gets_408_and_is_closed, "
+         "test_a_response_over_max_response_bytes_is_refused_with_413_before_it_is_built"),
+        ("resume with a damaged newest checkpoint", "the newest intact one",
+         "; ".join(f"{damage}: resumed from {folder}" for damage, folder in sorted(resumed.items())),
+         len(resumed) == 4 and set(resumed.values()) == {"checkpoint-1"},
+         "test_reliability_training: test_resume_skips_a_damaged_newest_checkpoint_saying_why_and_refuses_it_by_name"),
+        ("a training row whose prompt leaves no room", "skipped and counted, never fatal",
+         f"{f['over_long_row']['steps_trained']} step trained, rollout/status_truncated_prompt_too_long "
+         f"{f['over_long_row']['counted_prompt_too_long']:.2f}", f["over_long_row"]["steps_trained"] == 1,
+         "test_reliability_training: test_a_row_whose_prompt_leaves_no_room_is_skipped_and_counted_not_fatal"),
+        ("a second run on an output_dir in use", "refused in one line", f["second_run_on_a_held_output_dir"],
+         "is in use by another run" in f["second_run_on_a_held_output_dir"],
+         "test_reliability_training: test_a_second_run_on_an_output_dir_in_use_is_refused_in_one_line_naming_the_"
+         "first"),
     ]
 
 
@@ -114,6 +140,15 @@ FINDINGS = """\
 | nine maximal requests starve everyone (good p99 6.0 -> 16.5 s, 33.6 -> 10.9 requests/s; here 503s) | requests larger than one batch admitted by cost (`max_bulk_chars`, one maximal request) with a 429 held back for its `Retry-After`, a body too big for the room refused unread; bulk slices a quarter batch, one at a time between small batches, at most `max_bulk_share` (20%) of the search time | `test_beside_nine_maximal_requests_every_good_request_is_answered...`, `test_bulk_work_gets_its_share_of_the_search_time...`, `test_a_request_larger_than_one_batch_is_refused_while_others_hold...` |
 | an evaluation turns a retriever outage into results and keeps them (21 of 30 traces finished with no passages, exit 0; a closed port: EM 0.000) | `searchr1-eval` checks the retriever (health and a probe query) and every generator before the first question; a trace with a failed search is `error_search`, out of the EM, counted in the table, generated again by a rerun, and the run exits non-zero while any remain | `tests/test_eval_cli.py`: `test_eval_stops_in_one_line_*`, `test_traces_whose_search_failed_are_counted_not_scored_and_a_rerun_generates_them` |
 | an outage longer than the retry budget ends rollouts `done` (trained on as if nothing was found); a server that answers 422 to every query is not retried | a 422 "cannot be searched" is an outage, retried; a step whose every search failed ends its rollout `error_tool`, rewarded None (no advantage, out of the group baseline); training stops in one line above `max_failed_search_fraction` of a step's searches | `test_a_server_that_cannot_search_is_an_outage_retried...`, `test_a_rollout_whose_searches_all_failed_ends_error_tool...`, `test_training_stops_in_one_line_when_more_than...` |
+| the CPU recipe's LoRA output cannot be evaluated or asked ("Unrecognized model ... `model_type`") | a checkpoint is checked before it loads: a whole model or a LoRA adapter, loaded on its base; a LoRA adapter on a vLLM server is refused naming what to do | `tests/test_eval_cli.py`: `test_a_lora_checkpoint_is_evaluated_on_its_base_model`; `tests/test_ask_cli.py`: `test_a_lora_checkpoint_answers_with_its_base_model` |
+| one over-long question kills training (TRL's `parse_response` on an empty completion) | the plan check names the training rows whose prompt leaves no room within `max_rollout_tokens`; inside the trainer such a rollout gets one end-of-turn token outside the loss and is counted | `tests/test_recipe.py`: `test_a_training_row_whose_prompt_leaves_no_room_*`, `test_a_row_whose_prompt_leaves_no_room_is_skipped_and_counted_not_fatal` |
+| rows without `data_source` kill the trainer at construction; a filter matching nothing passes the plan check | empty `data_source` cells refused naming the rows; the plan reads each file through the run's filter | `tests/test_recipe.py`: `test_a_bad_data_file_*`, `test_a_data_source_filter_that_matches_no_row_*` |
+| two runs on one `output_dir` both exit 0, checkpoints mixed | `searchr1-train` holds an flock on the folder; another run is refused naming the holder; a dead run's lock is taken over | `test_a_second_run_on_an_output_dir_in_use_*`, `test_the_lock_of_a_killed_run_is_taken_over_*` |
+| SIGTERM to the job's pid orphans the trainer (46.7 s on, a checkpoint after the job exited) | the job turns SIGTERM/SIGINT into an exit that stops every child; the trainer has PR_SET_PDEATHSIG | `test_a_signal_to_the_jobs_own_pid_stops_the_trainer_and_the_servers[*]` |
+| a damaged newest checkpoint stops resume with a raw traceback; `--resume_from_checkpoint true` is a path "true" | resume reads marker, JSON, safetensors against their headers and torch files as whole zips; `true`/`latest` take the newest intact one, saying which and why others were skipped | `test_resume_skips_a_damaged_newest_checkpoint_*[*]`, `test_the_command_line_resumes_from_the_newest_intact_checkpoint_with_true` |
+| `searchr1-ask` on an empty, missing or file path, or truncated weights: tracebacks or "install sentencepiece" | one line naming the path and the cause | `tests/test_ask_cli.py`: `test_a_path_that_holds_no_model_*[*]`, `test_a_lora_checkpoint_whose_adapter_weights_are_truncated_*`; `tests/test_eval_cli.py`: `test_a_checkpoint_with_truncated_weights_*` |
+| `build_index` on a bad corpus: tracebacks naming neither file nor line | UTF-8 validated, null contents refused; the first bad line named by file and line | `tests/test_retriever_index.py`: `test_build_index_names_the_file_and_line_of_a_bad_corpus_in_one_line[*]` |
+| unbounded headers (1 MiB, 5,000 headers: 200), header waits (75 s+), responses (270 MB for a 27 KB request) | `max_header_bytes` (431), `header_timeout_s` (408), `max_response_bytes` (413, weighed before the passages are read) | the three server-bound tests above |
 | bad recipe values and data files give tracebacks; `golden_answers: [""]` accepted | one YAML reader checks syntax, mapping and each value's type; each part's checks run at load; the plan reads local data files row by row; blank answers refused | `tests/test_recipe.py`: `test_a_bad_recipe_value_or_yaml_*`, `test_a_recipe_that_is_no_mapping_*`, `test_a_bad_data_file_*` |
 """
 

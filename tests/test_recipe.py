@@ -3,6 +3,7 @@ configures, wired in one function; fields the trainer owns refused; asset paths 
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 
 import pytest

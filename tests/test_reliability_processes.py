@@ -168,7 +168,11 @@ def test_a_signal_to_the_jobs_own_pid_stops_the_trainer_and_the_servers(sig, rel
     job = subprocess.Popen([sys.executable, "-c", JOB], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
                            stdout=subprocess.PIPE, text=True)
     started = {"server_group": int(job.stdout.readline()), "trainer": int(job.stdout.readline())}
-    assert _alive(started["trainer"]) and _group(started["server_group"])
+    deadline = time.monotonic() + 30
+    while len(_group(started["server_group"])) < 2 and time.monotonic() < deadline:  # the reaper has started sleep
+        time.sleep(0.05)
+    time.sleep(0.2)  # and set its own handlers, a moment after (a server is up long before a trainer starts)
+    assert _alive(started["trainer"]) and len(_group(started["server_group"])) == 2
 
     sent = time.monotonic()
     job.send_signal(sig)

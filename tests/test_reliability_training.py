@@ -121,7 +121,8 @@ CORRUPTIONS = {
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_resume_skips_a_damaged_newest_checkpoint_saying_why_and_refuses_it_by_name(two_checkpoints, tmp_path,
-                                                                                   corruption, caplog):
+                                                                                   corruption, caplog,
+                                                                                   reliability_figures):
     import shutil
 
     from searchr1_trl.training.checkpoints import resume_checkpoint
@@ -133,6 +134,8 @@ def test_resume_skips_a_damaged_newest_checkpoint_saying_why_and_refuses_it_by_n
 
     for asked in (True, "true", "latest"):
         assert resume_checkpoint(str(out), asked) == str(out / "checkpoint-1")
+    reliability_figures.setdefault("resume_past_a_damaged_checkpoint_2", {})[corruption] = \
+        Path(resume_checkpoint(str(out), "latest")).name
     assert re.search(f"skipping {re.escape(str(out / 'checkpoint-2'))}: {cause}", caplog.text)
     assert f"resuming from {out / 'checkpoint-1'}, the newest intact checkpoint" in caplog.text
     with pytest.raises(ValueError, match=f"^cannot resume from {re.escape(str(out / 'checkpoint-2'))}: {cause}; "
@@ -204,7 +207,8 @@ def test_the_weight_sync_folder_is_replaced_when_ours_and_refused_when_not(tiny_
     assert (theirs / "notes.txt").read_text() == "mine" and (theirs / "sub").is_dir()
 
 
-def test_a_row_whose_prompt_leaves_no_room_is_skipped_and_counted_not_fatal(tiny_model_dir, tmp_path):
+def test_a_row_whose_prompt_leaves_no_room_is_skipped_and_counted_not_fatal(tiny_model_dir, tmp_path,
+                                                                            reliability_figures):
     """A question longer than max_rollout_tokens ends its rollouts truncated_prompt_too_long with no completion; TRL
     1.16's parse_response raised AttributeError on it and killed the run. No search is made, so none is served."""
     import pandas as pd
@@ -218,6 +222,9 @@ def test_a_row_whose_prompt_leaves_no_room_is_skipped_and_counted_not_fatal(tiny
 
     [logged] = [entry for entry in trainer.state.log_history if "rollout/status_truncated_prompt_too_long" in entry]
     assert logged["rollout/status_truncated_prompt_too_long"] == 1.0 and logged["loss"] == 0.0
+    counted = logged["rollout/status_truncated_prompt_too_long"]
+    reliability_figures["over_long_row"] = {"steps_trained": trainer.state.global_step,
+                                            "counted_prompt_too_long": counted}
 
 
 # A run holding its output_dir (the hold searchr1-train takes before it loads the model), until killed.
@@ -231,7 +238,8 @@ HOLDER = textwrap.dedent("""
 """)
 
 
-def test_a_second_run_on_an_output_dir_in_use_is_refused_in_one_line_naming_the_first(tiny_model_dir, tmp_path):
+def test_a_second_run_on_an_output_dir_in_use_is_refused_in_one_line_naming_the_first(tiny_model_dir, tmp_path,
+                                                                                      reliability_figures):
     from conftest import serve_health
 
     from searchr1_trl.cli.train import main as train_main
@@ -253,6 +261,7 @@ def test_a_second_run_on_an_output_dir_in_use_is_refused_in_one_line_naming_the_
     assert re.fullmatch(re.escape(f"error: output_dir '{out}' is in use by another run (pid {first.pid} on ")
                         + r".+, since [\d-]+ [\d:]+\): wait for it to end or stop it, or give this run another "
                           r"output_dir", stop.value.code), stop.value.code
+    reliability_figures["second_run_on_a_held_output_dir"] = stop.value.code.split(" (pid")[0]
 
 
 def test_the_lock_of_a_killed_run_is_taken_over_and_names_the_new_holder(tmp_path):
