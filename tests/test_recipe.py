@@ -271,6 +271,15 @@ def test_train_help_names_the_shipped_recipes_then_every_field(capsys):
     assert "Shipped recipes" in shown and "qwen3_8b" in shown and "--restate_question" in shown
 
 
+def test_push_to_hub_is_refused_before_training_when_the_hub_cannot_be_reached(offline_assets):
+    message = train_error("--config", "offline", "--push_to_hub", "true", "--hub_model_id", "me/model")
+
+    # the suite runs with HF_HUB_OFFLINE=1: offline mode, or no token first where none is stored
+    assert re.match(r"error: push_to_hub is set but the Hub cannot be reached or refuses this login "
+                    r"\((OfflineModeIsEnabled|LocalTokenNotFoundError): ", message), message
+    assert message.endswith("log in (`hf auth login`), check the network and HF_HUB_OFFLINE, or drop push_to_hub")
+
+
 def test_plan_names_a_missing_data_file_and_unreachable_servers(tmp_path):
     args, model_args = parse_recipe("qwen3_1_7b", "--train_data_path", str(tmp_path / "nope.parquet"))
     with pytest.raises(PlanError, match=r"train_data_path=.*nope\.parquet does not exist"):

@@ -88,6 +88,20 @@ def _check_prompt_room(args, model: str) -> None:
                         f"{args.train_data_path} or raise max_rollout_tokens")
 
 
+def _check_hub(token: str | None) -> None:
+    """:class:`PlanError` unless the Hub answers and knows this login: the push comes after training, where a
+    network or login problem surfaced as a traceback after hours of work."""
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().whoami(token=token)
+    except Exception as error:  # noqa: BLE001 - offline, no token, a refused token, no network: each stops the push
+        cause = " ".join(str(error).split())[:200]
+        raise PlanError(f"push_to_hub is set but the Hub cannot be reached or refuses this login "
+                        f"({type(error).__name__}: {cause}): log in (`hf auth login`), check the network and "
+                        "HF_HUB_OFFLINE, or drop push_to_hub") from None
+
+
 def check_machine(recipe: str, values: dict) -> None:
     """Raise :class:`PlanError` when the recipe's ``values`` (:func:`~searchr1_trl.training.recipe.recipe_values`: YAML
     +
@@ -160,6 +174,8 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
 
         if not torch.cuda.is_available():
             raise PlanError(f"weight_sync={args.weight_sync} needs CUDA: use weight_sync=reload on this machine")
+    if args.push_to_hub:
+        _check_hub(args.hub_token)
     try:  # health and a probe query: a server that is up but cannot search would fail every search of the run
         check_retriever(args.search_url, args.topk)
     except ValueError as error:
