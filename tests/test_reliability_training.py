@@ -282,3 +282,31 @@ def test_the_lock_of_a_killed_run_is_taken_over_and_names_the_new_holder(tmp_pat
             OutputDirLock(str(tmp_path)).acquire()  # held: also within one process
     with OutputDirLock(str(tmp_path)):  # released on exit
         pass
+
+
+def test_a_checkpoint_save_that_fails_says_why_in_one_line_and_names_the_intact_one(tiny_model_dir, questions_file,
+                                                                                   tmp_path, monkeypatch):
+    """A full disk, injected where torch writes the optimizer of checkpoint-2, in torch's own words."""
+    import torch
+
+    from searchr1_trl.training.checkpoints import CheckpointSaveError
+
+    save = torch.save
+
+    def disk_full_at_step_2(obj, f, *args, **kwargs):
+        if "checkpoint-2" in str(f):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4480 vs 4374")
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_at_step_2)
+    args = small_config(tmp_path, questions_file, "http://127.0.0.1:9/retrieve", max_steps=2, save_strategy="steps",
+                        save_steps=1, generator="transformers", max_tokens_per_turn=8, max_turns=1)
+    with pytest.raises(CheckpointSaveError) as failure:
+        SearchR1Trainer(model=str(tiny_model_dir), args=args).train()
+
+    run = Path(args.output_dir)
+    assert re.fullmatch(
+        f"saving {re.escape(str(run / 'checkpoint-2'))} failed " + r"\((the disk is full|a write failed), [\d.]+ GiB "
+        r"free there\): \[enforce fail at inline_container.cc:672\] \. unexpected pos 4480 vs 4374; checkpoint-1 is "
+        r"intact: free space, then resume with --resume_from_checkpoint latest", str(failure.value)), failure.value
+    assert checkpoint_problem(run / "checkpoint-1") is None

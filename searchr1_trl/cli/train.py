@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from searchr1_trl.training.checkpoints import OutputDirLock, resume_checkpoint
+from searchr1_trl.training.checkpoints import CheckpointSaveError, OutputDirLock, resume_checkpoint
 from searchr1_trl.training.plan import PlanError, check_machine, validate_plan
 from searchr1_trl.training.recipe import load_recipe, recipe_path, recipe_values
 
@@ -72,7 +72,7 @@ def train(args, model_args) -> None:
     trainer = SearchR1Trainer(model=model_args.model_name_or_path, args=args, peft_config=get_peft_config(model_args))
     try:
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    except SearchOutage as error:
+    except (SearchOutage, CheckpointSaveError) as error:
         sys.exit(f"error: {error}")
     evaluated_last_step = any(e.get("step") == trainer.state.global_step and "eval_em" in e
                               for e in trainer.state.log_history)

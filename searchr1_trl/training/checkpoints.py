@@ -10,10 +10,12 @@ local path is taken for a Hub id and left to transformers.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
+import shutil
 import socket
 import struct
 import time
@@ -255,3 +257,26 @@ def resume_checkpoint(output_dir: str, requested: str | bool | None) -> str | No
             " pass resume_from_checkpoint=latest for the newest intact one"
         raise ValueError(f"cannot resume from {requested}: {problem}; {instead.strip()}")
     return str(requested)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the message says why and what to resume from."""
+
+
+# Free space below which a failed write is put down to a full disk (what is left once a large write has failed).
+FULL_DISK_BYTES = 256 << 20
+
+
+def save_failure(folder: Path, error: BaseException) -> CheckpointSaveError:
+    """The one-line error of a checkpoint save that raised ``error``: a full disk said as such (torch's own words are
+    "enforce fail at inline_container.cc ... unexpected pos"), the space left, and the intact checkpoint a resume
+    takes (the failed one has no completeness marker, so a resume skips it)."""
+    where = next(p for p in (folder, *folder.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    full = getattr(error, "errno", None) == errno.ENOSPC or free < FULL_DISK_BYTES
+    intact = newest_intact_checkpoint(str(folder.parent))
+    then = (f"{Path(intact).name} is intact: free space, then resume with --resume_from_checkpoint latest" if intact
+            else "no earlier checkpoint is intact")
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return CheckpointSaveError(f"saving {folder} failed ({'the disk is full' if full else 'a write failed'}, "
+                               f"{free / 2**30:.2f} GiB free there): {first_line}; {then}")

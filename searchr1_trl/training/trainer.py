@@ -91,7 +91,12 @@ from searchr1_trl.tasks.search_r1.data import QuestionBatches, SearchR1Sample, t
 from searchr1_trl.training import evaluation
 from searchr1_trl.training.as_trained import save_recipe
 from searchr1_trl.training.callbacks import CollapseGuard, DivergentStepGuard, NonFiniteGradientGuard
-from searchr1_trl.training.checkpoints import CHECKPOINT_COMPLETE_FILE, STREAM_STATE_FILE, resume_checkpoint
+from searchr1_trl.training.checkpoints import (
+    CHECKPOINT_COMPLETE_FILE,
+    STREAM_STATE_FILE,
+    resume_checkpoint,
+    save_failure,
+)
 from searchr1_trl.training.experimental import async_rollouts
 from searchr1_trl.training.recipe import SearchR1Config, SearchR1Task, build_task, part_config
 from searchr1_trl.training.rows import with_placeholder_completion
@@ -540,6 +545,8 @@ class SearchR1Trainer(GRPOTrainer):
         limit, self.args.save_total_limit = self.args.save_total_limit, None
         try:
             super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError) as error:  # a full disk, in torch's words "unexpected pos": say it
+            raise save_failure(folder, error) from error
         finally:
             self.args.save_total_limit = limit
         self.accelerator.wait_for_everyone()  # every rank's shards are written
