@@ -23,23 +23,31 @@ class _BoundedProtocol(HttpToolsProtocol):
     max_header_bytes: int
     header_timeout_s: float
 
+    # Bytes are counted from the end of one request (or the connection's start) to the blank line ending the next
+    # one's headers; never in a body, which may still be arriving after an early answer (a 429 sent unread).
+
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
-        self._await_headers()
+        self._message_done = True
+        self._count_headers()
+        self._start_clock()
 
-    def _await_headers(self) -> None:
-        """A request's headers are due: count their bytes and start their clock."""
-        self._header_bytes, self._tail = 0, b""
+    def _count_headers(self) -> None:
+        self._counting, self._header_bytes, self._tail = True, 0, b""
+
+    def _start_clock(self) -> None:
+        """The next request's headers are due within header_timeout_s."""
+        self._stop_clock()
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
 
-    def _headers_done(self) -> None:
+    def _stop_clock(self) -> None:
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is not None:  # counting stops at the blank line: what follows is the body
+        if self._counting:
             seen = self._tail + data
             end = seen.find(HEADERS_END)
             self._header_bytes += (end + len(HEADERS_END) - len(self._tail)) if end >= 0 else len(data)
@@ -49,17 +57,29 @@ class _BoundedProtocol(HttpToolsProtocol):
                 return
         super().data_received(data)
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._message_done = False
+
     def on_headers_complete(self) -> None:
-        self._headers_done()
+        self._counting = False
+        self._stop_clock()
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._message_done = True
+        self._count_headers()
+        if self.cycle is not None and self.cycle.response_complete:  # answered before its body was read
+            self._start_clock()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
-            self._await_headers()
+        if self._message_done and not self.transport.is_closing():
+            self._start_clock()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._headers_done()
+        self._stop_clock()
         super().connection_lost(exc)
 
     def _headers_late(self) -> None:
@@ -68,7 +88,7 @@ class _BoundedProtocol(HttpToolsProtocol):
             self._refuse(408, f"headers: not complete within header_timeout_s={self.header_timeout_s:g}")
 
     def _refuse(self, status: int, detail: str) -> None:
-        self._headers_done()
+        self._stop_clock()
         body = json.dumps({"detail": detail}).encode()
         self.transport.write(STATUS_LINE[status] + b"content-type: application/json\r\ncontent-length: "
                              + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)

@@ -524,6 +524,21 @@ def test_headers_over_max_header_bytes_get_431_naming_the_limit(bounded_server, 
     assert httpx.post(bounded_server.url, json={"queries": ["Super Bowl"], "topk": 1}).status_code == 200
 
 
+def test_a_body_still_arriving_after_an_early_answer_is_not_counted_as_headers(bounded_server):
+    """A request refused before its body is read (here 413 for its declared size; 429 for bulk room) is answered
+    while the body arrives: those bytes belong to no headers, and the next request on the connection is served."""
+    port = int(bounded_server.url.split(":")[2].split("/")[0])
+    body = b"x" * (2 << 20)
+    good = b'{"queries": ["Super Bowl"], "topk": 1}'
+    request = (b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+               + b"POST /retrieve HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(good)
+               + good)
+
+    status, answer, _ = _raw_exchange(port, request)
+
+    assert status == 413 and re.findall(rb"HTTP/1.1 (\d+)", answer.encode()) == [b"200"], answer[:300]
+
+
 @pytest.mark.parametrize("sent", [b"", b"POST /retrieve HTTP/1.1\r\nHost: x\r\n"], ids=["nothing", "half"])
 def test_a_connection_that_stalls_before_its_headers_end_gets_408_and_is_closed(bounded_server, sent,
                                                                                reliability_figures):
