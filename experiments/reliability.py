@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -101,7 +102,8 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
          len(stopped) == 3 and max(stopped.values()) < 5,
          "test_reliability_processes: test_a_signal_to_the_jobs_own_pid_stops_the_trainer_and_the_servers"),
         ("hostile headers and oversized answers (limits 4 KiB, 1 s, 2,000 bytes)", "a 4xx naming the limit",
-         "; ".join(f"{name}: {value}" for name, value in sorted(bounds.items())),
+         "; ".join(f"{name.split(':')[0]}: 408, closed after {value} s" if name.startswith("stalled") else
+                   f"{name}: {value}" for name, value in sorted(bounds.items())),
          sorted(v for k, v in bounds.items() if not k.startswith("stalled")) == [413, 431, 431]
          and all(v < 5 for k, v in bounds.items() if k.startswith("stalled")),
          "test_reliability_server: test_headers_over_max_header_bytes_get_431_naming_the_limit, "
@@ -115,7 +117,8 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
          f"{f['over_long_row']['steps_trained']} step trained, rollout/status_truncated_prompt_too_long "
          f"{f['over_long_row']['counted_prompt_too_long']:.2f}", f["over_long_row"]["steps_trained"] == 1,
          "test_reliability_training: test_a_row_whose_prompt_leaves_no_room_is_skipped_and_counted_not_fatal"),
-        ("a second run on an output_dir in use", "refused in one line", f["second_run_on_a_held_output_dir"],
+        ("a second run on an output_dir in use", "refused in one line",
+         re.sub(r"'/\S+/", "'.../", f["second_run_on_a_held_output_dir"]) + " (pid ...): wait for it to end ...",
          "is in use by another run" in f["second_run_on_a_held_output_dir"],
          "test_reliability_training: test_a_second_run_on_an_output_dir_in_use_is_refused_in_one_line_naming_the_"
          "first"),
