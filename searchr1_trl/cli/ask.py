@@ -63,7 +63,7 @@ async def _answer(config: AskConfig, policy, questions) -> None:
             [trace] = await evaluation.run(method, [SearchR1Sample(question.strip(), ("",))], params)
             if config.json:
                 record = asdict(trace)
-                for unknown in ("golden_answers", "em", "data_source", "gold_in_first_search"):  # asked here: no gold
+                for unknown in ("golden_answers", "em", "f1", "data_source", "gold_in_first_search"):  # no gold here
                     record.pop(unknown)
                 print(json.dumps(record), flush=True)
             else:
