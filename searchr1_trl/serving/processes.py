@@ -55,8 +55,9 @@ def exit_on_signals() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         sys.exit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    if threading.current_thread() is threading.main_thread():  # Python sets handlers there only
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
 
 
 def owned_popen(command: list[str], **kwargs) -> subprocess.Popen:
@@ -102,8 +103,9 @@ def _reap(command: list[str]) -> int:
         _stop_group(REAP_GRACE_S)
         sys.exit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    if threading.current_thread() is threading.main_thread():  # Python sets handlers there only
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
     code = child.wait()
     _stop_group(REAP_GRACE_S)
     return code if code >= 0 else 128 - code
