@@ -70,7 +70,7 @@ def policy_as_trained(checkpoints: list[str], policy, given: set[str]) -> tuple[
             trained[name] = next(iter(values.values()))
     defaults = {f.name: f.default for f in fields(policy)}
     source = {"trained": {k: v for k, v in trained.items() if k not in given and v != defaults[k]},
-              "flags": {k: (getattr(policy, k), trained.get(k)) for k in sorted(given & set(defaults))}}
+              "flags": {k: (getattr(policy, k), trained.get(k)) for k in sorted(given & set(defaults) - NOT_RECORDED)}}
     return replace(policy, **{k: v for k, v in trained.items() if k not in given}), source
 
 
