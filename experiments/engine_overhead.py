@@ -42,7 +42,8 @@ from searchr1_trl.assets.offline import require
 from searchr1_trl.engine.generation import Generation, Generator, SamplingParams, VLLMServerGenerator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
 from searchr1_trl.serving.processes import free_port
-from searchr1_trl.tasks.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
+from searchr1_trl.tasks.common.search import SearchR1EnvConfig
+from searchr1_trl.tasks.search_r1.env import SearchR1EnvFactory
 
 
 class Script:

@@ -18,7 +18,7 @@ import httpx
 
 from experiments.report import report
 from searchr1_trl.cli.eval import EvalConfig, load_questions
-from searchr1_trl.tasks.search_r1.rubric import normalized_golds, passages_hold_gold
+from searchr1_trl.tasks.common.rubric import normalized_golds, passages_hold_gold
 
 DEPTHS = (1, 2, 3, 4, 5, 6, 8, 10)
 

@@ -66,9 +66,10 @@ from searchr1_trl.engine.parsing import response_parser
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
 from searchr1_trl.serving.processes import free_port
 from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
-from searchr1_trl.tasks.search_r1.data import SearchR1Sample
-from searchr1_trl.tasks.search_r1.env import SEARCH_TOOL, SearchR1EnvConfig, SearchR1EnvFactory
-from searchr1_trl.tasks.search_r1.retrieval import RetrievalClient
+from searchr1_trl.tasks.common.data import SearchR1Sample
+from searchr1_trl.tasks.common.retrieval import RetrievalClient
+from searchr1_trl.tasks.common.search import SearchR1EnvConfig
+from searchr1_trl.tasks.search_r1.env import SEARCH_TOOL, SearchR1EnvFactory
 
 ARTICLES = 8  # SQuAD dev articles whose passages form the corpus and whose questions are asked
 

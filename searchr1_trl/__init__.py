@@ -17,9 +17,10 @@ import importlib
 
 # name -> the module defining it; the data flow, top to bottom (README "Where things are").
 _EXPORTS = {
-    "SearchR1Dataset": "tasks.search_r1.data", "SearchR1DatasetConfig": "tasks.search_r1.data",
-    "SearchR1Sample": "tasks.search_r1.data",
-    "SearchR1Env": "tasks.search_r1.env", "SearchR1EnvConfig": "tasks.search_r1.env",
+    "Task": "tasks", "get_task": "tasks", "register_task": "tasks",
+    "SearchR1Dataset": "tasks.common.data", "SearchR1DatasetConfig": "tasks.common.data",
+    "SearchR1Sample": "tasks.common.data",
+    "SearchR1Env": "tasks.search_r1.env", "SearchR1EnvConfig": "tasks.common.search",
     "SearchR1EnvFactory": "tasks.search_r1.env",
     "EnvFactory": "engine.rollout", "EnvStep": "engine.rollout", "MessageEnv": "engine.rollout",
     "Rollout": "engine.rollout",
@@ -27,9 +28,9 @@ _EXPORTS = {
     "response_parser": "engine.parsing",
     "Generation": "engine.generation", "Generator": "engine.generation", "SamplingParams": "engine.generation",
     "TransformersGenerator": "engine.generation", "VLLMServerGenerator": "engine.generation",
-    "RewardExactMatch": "tasks.search_r1.rubric", "RewardExactMatchConfig": "tasks.search_r1.rubric",
-    "Rubric": "tasks.search_r1.rubric", "RubricConfig": "tasks.search_r1.rubric",
-    "SearchR1Config": "training.recipe", "SearchR1Task": "training.recipe", "build_task": "training.recipe",
+    "RewardExactMatch": "tasks.common.rubric", "RewardExactMatchConfig": "tasks.common.rubric",
+    "Rubric": "tasks.common.rubric", "RubricConfig": "tasks.common.rubric",
+    "SearchR1Config": "training.recipe", "TaskParts": "training.recipe", "build_task": "training.recipe",
     "load_recipe": "training.recipe",
     "SearchR1Trainer": "training.trainer",
 }

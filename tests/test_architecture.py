@@ -19,7 +19,7 @@ LAYERS = [
     "assets",  # what a run reads that is not code: offline assets, published model shapes
     "serving",  # the processes beside the trainer: reaper, vLLM server, weight sync
     "engine",  # the generic multi-turn tool engine: rollout loop, parsing, generation backends
-    "tasks",  # the tasks on the engine, one folder each: data, env, rubric
+    "tasks",  # the tasks on the engine, one folder each, chosen by name; what they share in tasks/common
     "training",  # the recipe, its checks, the TRL trainer, its guards, warm start and validation
     "report",  # the trace report: a run's or an evaluation's folder as one HTML page
     "cli",  # the console scripts
@@ -77,11 +77,39 @@ def test_the_layers_are_the_folders_of_the_package():
     assert {unit(m) for m in imports("searchr1_trl")} - {"__init__"} == set(LAYERS)
 
 
-def test_the_engine_and_the_task_live_in_their_folders():
-    # "A new task is data + env + rubric" is visible in the tree: the generic engine and the task apart.
+def task_folders() -> set[str]:
+    """The task folders: every sub-package of ``searchr1_trl/tasks`` but ``common``, what the tasks share."""
+    tasks = ROOT / "searchr1_trl" / "tasks"
+    return {p.name for p in tasks.iterdir() if (p / "__init__.py").is_file()} - {"common"}
+
+
+def test_the_engine_and_the_tasks_live_in_their_folders():
+    # "A new task is a folder" is visible in the tree: the generic engine, what the tasks share, each task apart.
     found = set(modules("searchr1_trl"))
     assert {"engine.rollout", "engine.parsing", "engine.generation"} <= found
-    assert {"tasks.search_r1.data", "tasks.search_r1.env", "tasks.search_r1.rubric"} <= found
+    assert {"tasks.common.data", "tasks.common.rubric", "tasks.common.retrieval", "tasks.common.search"} <= found
+    assert {"tasks.search_r1", "tasks.search_r1.env"} <= found
+
+
+def test_every_task_is_registered_by_name_and_registered_tasks_are_the_task_folders():
+    from searchr1_trl.tasks import TASKS, get_task
+
+    assert {module.rsplit(".", 1)[1] for module in TASKS.values()} == task_folders()
+    assert all(get_task(name).name == name for name in TASKS)
+
+
+def test_no_module_outside_a_tasks_folder_imports_it():
+    # The trainer, recipe, evaluation, warm start, plan checks and CLIs reach a task through tasks.get_task only, which
+    # imports it by its module path: a task is a plugin, added or removed without touching them.
+    reaching = [
+        (module, target)
+        for module, targets in imports("searchr1_trl").items()
+        for target in targets
+        for task in task_folders()
+        if target.split(".")[:2] == ["tasks", task] and module.split(".")[:2] != ["tasks", task]
+    ]
+    assert reaching == []
+    assert task_folders() >= {"search_r1"}
 
 
 def test_no_module_imports_a_higher_layer():

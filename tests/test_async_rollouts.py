@@ -386,7 +386,7 @@ def async_run(tiny_model_dir, questions_file, folder: Path, resume=None, callbac
                         async_rollouts=True, max_staleness=1, learning_rate=1e-3)
     task = build_task(args)
     recorder = TrainedQuestions()
-    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, task=task,
+    trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, parts=task,
                               reward_funcs=[task.rubric, recorder], callbacks=list(callbacks))
     with contextlib.suppress(KeyboardInterrupt):
         trainer.train(resume_from_checkpoint=resume)

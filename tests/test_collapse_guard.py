@@ -40,7 +40,7 @@ def guarded_trainer(model, tmp_path, questions_file, retriever_url, max_steps: i
                         eval_on_start=True, save_strategy="steps", save_steps=1, eval_num_samples=4,
                         report_num_samples=3, **overrides)
     task = build_task(args)
-    return SearchR1Trainer(model=str(model), args=args, task=task, reward_funcs=[task.rubric, model_text_reward])
+    return SearchR1Trainer(model=str(model), args=args, parts=task, reward_funcs=[task.rubric, model_text_reward])
 
 
 def weights(model) -> dict[str, torch.Tensor]:

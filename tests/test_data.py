@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from searchr1_trl.tasks.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
+from searchr1_trl.tasks.common.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
 
 
 def write_parquet(path, rows) -> str:

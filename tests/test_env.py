@@ -16,16 +16,10 @@ import pytest
 
 from searchr1_trl.engine.rollout import EnvFactory, EnvStep, MessageEnv
 from searchr1_trl.serving.processes import free_port
-from searchr1_trl.tasks.search_r1.data import SearchR1Sample
-from searchr1_trl.tasks.search_r1.env import (
-    EMPTY_QUERY_MESSAGE,
-    INSTRUCTION,
-    RESTATEMENT,
-    SEARCH_TOOL,
-    SearchR1EnvConfig,
-    SearchR1EnvFactory,
-)
-from searchr1_trl.tasks.search_r1.retrieval import RetrievalClient, passages_text
+from searchr1_trl.tasks.common.data import SearchR1Sample
+from searchr1_trl.tasks.common.retrieval import RetrievalClient, passages_text
+from searchr1_trl.tasks.common.search import EMPTY_QUERY_MESSAGE, RESTATEMENT, SearchR1EnvConfig
+from searchr1_trl.tasks.search_r1.env import INSTRUCTION, SEARCH_TOOL, SearchR1EnvFactory
 from tests.conftest import serve_fake
 
 SAMPLE = SearchR1Sample(question="Where is the Eiffel Tower?", golden_answers=("Paris",))
@@ -315,7 +309,7 @@ def test_a_search_that_keeps_failing_gets_an_empty_result_and_is_counted_and_log
     fake_retriever.script = [fault] * 3
     env = env_for(fake_retriever.url, max_retries=2)
 
-    with caplog.at_level(logging.WARNING, logger="searchr1_trl.tasks.search_r1.retrieval"):
+    with caplog.at_level(logging.WARNING, logger="searchr1_trl.tasks.common.retrieval"):
         result = step(env, assistant(search_call({"query": "a"}), search_call({"query": "b"})))
 
     assert [m["content"] for m in result.messages] == ["", ""]

@@ -9,11 +9,14 @@ import pytest
 
 from searchr1_trl.engine.generation import Generation, Generator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine, RolloutStatus
-from searchr1_trl.tasks.search_r1.data import SearchR1Sample
-from searchr1_trl.tasks.search_r1.env import RESTATEMENT, SearchR1EnvConfig, SearchR1EnvFactory
-from searchr1_trl.tasks.search_r1.rubric import Rubric
+from searchr1_trl.tasks import get_task
+from searchr1_trl.tasks.common.data import SearchR1Sample
+from searchr1_trl.tasks.common.rubric import Rubric
+from searchr1_trl.tasks.common.search import RESTATEMENT, SearchR1EnvConfig
+from searchr1_trl.tasks.search_r1.env import SearchR1EnvFactory
 from searchr1_trl.training import evaluation
 
+SEARCH_R1 = get_task("search_r1")
 QUESTION = SearchR1Sample("Which NFL team represented the AFC at Super Bowl 50?", ("Denver Broncos",), "squad")
 
 
@@ -42,7 +45,8 @@ class ScriptedGenerator(Generator):
 def trace_of(method_name, tokenizer, retriever_url, generator=None,
              rollout_config=None) -> tuple[evaluation.Trace, list[str]]:
     generator = generator or ScriptedGenerator(tokenizer)
-    method = evaluation.build_method(method_name, tokenizer, generator, SearchR1EnvConfig(search_url=retriever_url),
+    method = evaluation.build_method(method_name, SEARCH_R1, tokenizer, generator,
+                                     SearchR1EnvConfig(search_url=retriever_url),
                                      rollout_config or RolloutConfig(max_turns=3))
 
     async def main():
@@ -137,7 +141,7 @@ def test_a_search_the_retriever_does_not_answer_makes_a_failed_trace_not_a_wrong
 
     generator = ScriptedGenerator(tokenizer)
     closed = f"http://127.0.0.1:{free_port()}/retrieve"  # nothing listens: every attempt is refused
-    method = evaluation.build_method(method_name, tokenizer, generator,
+    method = evaluation.build_method(method_name, SEARCH_R1, tokenizer, generator,
                                      SearchR1EnvConfig(search_url=closed, max_retries=0), RolloutConfig(max_turns=3))
 
     [failed] = asyncio.run(evaluation.run(method, [QUESTION], evaluation.greedy_params(64)))
@@ -175,8 +179,8 @@ def test_passage_titles_keep_parentheses_inside_a_title():
 
 def test_run_hands_over_each_trace_as_it_finishes_and_returns_them_in_input_order(tokenizer, retriever_url):
     generator = ScriptedGenerator(tokenizer)
-    method = evaluation.build_method("direct", tokenizer, generator, SearchR1EnvConfig(search_url=retriever_url),
-                                     RolloutConfig())
+    method = evaluation.build_method("direct", SEARCH_R1, tokenizer, generator,
+                                     SearchR1EnvConfig(search_url=retriever_url), RolloutConfig())
     samples = [SearchR1Sample(f"Question {i}?", ("x",), "squad") for i in range(5)]
     seen = []
     traces = asyncio.run(evaluation.run(method, samples, evaluation.greedy_params(8),

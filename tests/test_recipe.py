@@ -463,3 +463,14 @@ def test_offline_asset_paths_follow_searchr1_cache(tmp_path, monkeypatch):
     assert assets.resolve_path("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
     monkeypatch.delenv("SEARCHR1_CACHE")
     assert assets.resolve_path("${SEARCHR1_CACHE}/m") == str(assets.cache_dir() / "m")
+
+
+def test_the_recipe_field_task_selects_a_registered_task_and_an_unknown_one_is_named():
+    from searchr1_trl.tasks import get_task
+
+    assert config().task == "search_r1" and parse_recipe("offline", "--task", "search_r1")[0].task == "search_r1"
+    assert get_task("searchr1_trl.tasks.search_r1") is get_task("search_r1")  # a task outside the package, by path
+    assert train_error("--config", "offline", "--task", "search_r2").startswith(
+        "error: recipe offline: task='search_r2'; expected one of search_r1")
+    with pytest.raises(ValueError, match=r"task='json'; expected one of search_r1"):
+        get_task("json")  # a module, but no task

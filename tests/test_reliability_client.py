@@ -20,7 +20,7 @@ import pytest
 
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.serving.processes import free_port
-from searchr1_trl.tasks.search_r1.retrieval import RetrievalClient, RetrievalConfig
+from searchr1_trl.tasks.common.retrieval import RetrievalClient, RetrievalConfig
 
 
 class FaultyRetriever:
@@ -230,8 +230,9 @@ def test_rollouts_through_an_outage_longer_than_the_retry_budget_end_error_tool_
 
     from searchr1_trl.engine.generation import SamplingParams
     from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
-    from searchr1_trl.tasks.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
-    from searchr1_trl.tasks.search_r1.rubric import Rubric
+    from searchr1_trl.tasks.common.rubric import Rubric
+    from searchr1_trl.tasks.common.search import SearchR1EnvConfig
+    from searchr1_trl.tasks.search_r1.env import SearchR1EnvFactory
 
     refused = f"http://127.0.0.1:{free_port()}/retrieve"  # nothing listens: every attempt is refused
     env = SearchR1EnvFactory(SearchR1EnvConfig(search_url=refused, max_retries=3, retry_backoff_s=0.01))

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from searchr1_trl.engine.generation import Generation, Generator, SamplingParams
 from searchr1_trl.engine.parsing import response_parser
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine, RolloutStatus
-from searchr1_trl.tasks.search_r1.data import SearchR1Sample
-from searchr1_trl.tasks.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
+from searchr1_trl.tasks.common.data import SearchR1Sample
+from searchr1_trl.tasks.common.search import SearchR1EnvConfig
+from searchr1_trl.tasks.search_r1.env import SearchR1EnvFactory
 
 GOOD_CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "Super Bowl 50 winner"}}\n</tool_call>'
 SURROGATE_SHAPES = {

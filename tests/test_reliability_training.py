@@ -22,7 +22,7 @@ import pytest
 from test_trainer import RecordingStream, small_config
 
 from searchr1_trl.serving import weight_sync
-from searchr1_trl.tasks.search_r1.data import SearchR1Dataset
+from searchr1_trl.tasks.common.data import SearchR1Dataset
 from searchr1_trl.training.checkpoints import checkpoint_problem
 from searchr1_trl.training.recipe import build_task, part_config
 from searchr1_trl.training.trainer import CHECKPOINT_COMPLETE_FILE, SearchR1Trainer
@@ -79,7 +79,7 @@ def test_a_run_killed_after_or_during_a_checkpoint_resumes_exactly(tiny_model_di
     stream = RecordingStream(part_config(args, "train_stream"))
     stream.drawn = []
     trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args,
-                              task=replace(build_task(args), train_stream=stream))
+                              parts=replace(build_task(args), train_stream=stream))
     trainer.train(resume_from_checkpoint=True)
 
     fresh = SearchR1Dataset(part_config(args, "train_stream"))

@@ -13,9 +13,10 @@ import torch
 
 from searchr1_trl.engine.generation import SamplingParams, VLLMServerGenerator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine, RolloutStatus
-from searchr1_trl.tasks.search_r1.data import SearchR1Sample
-from searchr1_trl.tasks.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
-from searchr1_trl.tasks.search_r1.rubric import Rubric
+from searchr1_trl.tasks.common.data import SearchR1Sample
+from searchr1_trl.tasks.common.rubric import Rubric
+from searchr1_trl.tasks.common.search import SearchR1EnvConfig
+from searchr1_trl.tasks.search_r1.env import SearchR1EnvFactory
 
 pytestmark = pytest.mark.slow
 

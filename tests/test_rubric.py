@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from searchr1_trl.engine.rollout import RolloutStatus
-from searchr1_trl.tasks.search_r1.data import SearchR1Sample
-from searchr1_trl.tasks.search_r1.rubric import (
+from searchr1_trl.tasks.common.data import SearchR1Sample
+from searchr1_trl.tasks.common.rubric import (
     RewardExactMatch,
     RewardExactMatchConfig,
     Rubric,

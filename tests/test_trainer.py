@@ -18,7 +18,7 @@ from transformers import TrainerCallback
 from searchr1_trl.cli.eval import PolicyConfig
 from searchr1_trl.serving.vllm_server import reload_weights
 from searchr1_trl.serving.weight_sync import save_for_reload, weight_push
-from searchr1_trl.tasks.search_r1.data import SearchR1Dataset
+from searchr1_trl.tasks.common.data import SearchR1Dataset
 from searchr1_trl.training.as_trained import RECIPE_FILE, policy_as_trained
 from searchr1_trl.training.recipe import build_task, part_config
 from searchr1_trl.training.trainer import STREAM_STATE_FILE, SearchR1Config, SearchR1Trainer
@@ -53,7 +53,7 @@ def model_text_reward(prompts, completions, *, messages, **kwargs) -> list[float
 def trainer_with_text_reward(model: str, args: SearchR1Config, **kwargs) -> SearchR1Trainer:
     """A trainer rewarded by the recipe's rubric plus :func:`model_text_reward`."""
     task = build_task(args)
-    return SearchR1Trainer(model=model, args=args, task=task, reward_funcs=[task.rubric, model_text_reward], **kwargs)
+    return SearchR1Trainer(model=model, args=args, parts=task, reward_funcs=[task.rubric, model_text_reward], **kwargs)
 
 
 def server_logprobs(base_url: str, model: str, token_ids: list[int]) -> torch.Tensor:
@@ -327,7 +327,7 @@ def test_a_resumed_run_draws_the_same_questions_as_an_uninterrupted_one(tiny_mod
         stream = RecordingStream(part_config(args, "train_stream"))
         stream.drawn = []
         task = replace(build_task(args), train_stream=stream)
-        trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, task=task, callbacks=list(callbacks))
+        trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, parts=task, callbacks=list(callbacks))
         with contextlib.suppress(KeyboardInterrupt):
             trainer.train(resume_from_checkpoint=resume)
         # Also when interrupted, train() closed its event loop and the retriever's pooled connections.

@@ -16,16 +16,15 @@ from trl import ModelConfig
 from searchr1_trl.cli.train import train
 from searchr1_trl.engine.generation import end_token_ids
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutStatus
-from searchr1_trl.tasks.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig
-from searchr1_trl.tasks.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
-from searchr1_trl.tasks.search_r1.rubric import normalize_answer, passages_hold_gold
+from searchr1_trl.tasks.common.data import SearchR1Dataset, SearchR1DatasetConfig
+from searchr1_trl.tasks.common.rubric import normalize_answer, passages_hold_gold
+from searchr1_trl.tasks.common.search import SearchR1EnvConfig
+from searchr1_trl.tasks.search_r1.env import SearchR1EnvFactory
+from searchr1_trl.tasks.search_r1.warm_start import keep, keyword_query, scripted_traces
 from searchr1_trl.training.trainer import SearchR1Config
 from searchr1_trl.training.warm_start import (
     WarmStartConfig,
     fine_tuning_rows,
-    keep,
-    keyword_query,
-    scripted_traces,
     search_turns_mask,
     with_second_searches_repeated,
 )

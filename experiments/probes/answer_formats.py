@@ -28,9 +28,10 @@ from transformers import AutoTokenizer
 from experiments.report import report
 from searchr1_trl.engine.generation import SamplingParams, VLLMServerGenerator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
-from searchr1_trl.tasks.search_r1.data import SearchR1Sample
-from searchr1_trl.tasks.search_r1.env import RESTATEMENT, SEARCH_TOOL, SearchR1EnvConfig, SearchR1EnvFactory
-from searchr1_trl.tasks.search_r1.rubric import RewardExactMatch
+from searchr1_trl.tasks.common.data import SearchR1Sample
+from searchr1_trl.tasks.common.rubric import RewardExactMatch
+from searchr1_trl.tasks.common.search import RESTATEMENT, SearchR1EnvConfig
+from searchr1_trl.tasks.search_r1.env import SEARCH_TOOL, SearchR1EnvFactory
 
 
 def questions_in_corpus(path: str, corpus_path: str, n: int) -> list[SearchR1Sample]:

@@ -20,8 +20,9 @@ from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets.offline import require
 from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
-from searchr1_trl.tasks.search_r1.data import SearchR1Sample
-from searchr1_trl.tasks.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
+from searchr1_trl.tasks.common.data import SearchR1Sample
+from searchr1_trl.tasks.common.search import SearchR1EnvConfig
+from searchr1_trl.tasks.search_r1.env import SearchR1EnvFactory
 
 
 def describe(rollout) -> dict:

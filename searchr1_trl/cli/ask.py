@@ -21,7 +21,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from searchr1_trl.cli.eval import PolicyConfig
-from searchr1_trl.tasks.search_r1.data import SearchR1Sample
+from searchr1_trl.tasks import TASKS, get_task
 from searchr1_trl.training import evaluation
 from searchr1_trl.training.recipe import part_config
 
@@ -31,7 +31,10 @@ class AskConfig:
     checkpoint: str = field(default="", metadata={"help": "Model folder, LoRA adapter folder or Hub id."})
     question: str | None = field(default=None, metadata={"help": "The question; none: read questions from stdin."})
     json: bool = field(default=False, metadata={"help": "Print one JSON object per question instead of text."})
-    method: str = field(default="agent", metadata={"help": f"One of {', '.join(evaluation.METHODS)}."})
+    task: str = field(default="search_r1", metadata={"help": f"The checkpoint's task: {', '.join(TASKS)}, or a module "
+                                                               "path."})
+    method: str = field(default="agent", metadata={"help": f"One of {', '.join(evaluation.METHODS)} that the task "
+                                                             "supports."})
     generator: str = field(
         default="vllm", metadata={"help": "`vllm`: a running `trl vllm-serve` of the checkpoint; `transformers`."})
     vllm_server_base_url: str = field(default="http://127.0.0.1:8001", metadata={"help": "With generator=vllm."})
@@ -53,14 +56,15 @@ async def _answer(config: AskConfig, policy, questions) -> None:
     tokenizer = evaluation.policy_tokenizer(config.checkpoint)
     generator = evaluation.policy_generator(config.generator, config.checkpoint, tokenizer,
                                             url=config.vllm_server_base_url, dtype=config.dtype)
-    method = evaluation.build_method(config.method, tokenizer, generator, part_config(policy, "env"),
+    task = get_task(config.task)
+    method = evaluation.build_method(config.method, task, tokenizer, generator, part_config(policy, "env"),
                                      part_config(policy, "rollout"))
     params = evaluation.greedy_params(policy.max_tokens_per_turn)
     try:
         for question in questions:
             if not question.strip():
                 continue
-            [trace] = await evaluation.run(method, [SearchR1Sample(question.strip(), ("",))], params)
+            [trace] = await evaluation.run(method, [task.sample(question.strip(), ("",))], params)
             if config.json:
                 record = asdict(trace)
                 for unknown in ("golden_answers", "em", "f1", "data_source", "gold_in_first_search"):  # no gold here
@@ -98,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         config, policy = parser.parse_args_and_config(args=argv)
         if not config.checkpoint:
             raise ValueError("give --checkpoint (a model folder or Hub id; see --help)")
-        if config.method not in evaluation.METHODS:
-            raise ValueError(f"method={config.method!r}; expected one of {', '.join(evaluation.METHODS)}")
+        if config.method not in get_task(config.task).methods:
+            raise ValueError(f"method={config.method!r}; task {config.task} supports "
+                             f"{', '.join(get_task(config.task).methods)}")
         questions = [config.question] if config.question is not None else _stdin_questions()
         asyncio.run(_answer(config, policy, questions))
     except ValueError as error:

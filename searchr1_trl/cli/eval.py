@@ -51,8 +51,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from searchr1_trl.tasks.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
-from searchr1_trl.tasks.search_r1.retrieval import check_retriever
+from searchr1_trl.tasks import TASKS, get_task
+from searchr1_trl.tasks.common.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
+from searchr1_trl.tasks.common.retrieval import check_retriever
 from searchr1_trl.training import evaluation
 from searchr1_trl.training.as_trained import describe, given_fields, policy_as_trained
 from searchr1_trl.training.recipe import knob_fields, part_config
@@ -83,9 +84,12 @@ class EvalConfig:
         default=0,
         metadata={"help": "Skip this many questions of each seeded sample first: `--num_samples 500 --sample_offset "
                           "500` is a training recipe's report sample (eval_num_samples 500, report_num_samples 500)."})
-    methods: list[str] = field(
-        default_factory=lambda: list(evaluation.METHODS),
-        metadata={"help": f"Any of {', '.join(evaluation.METHODS)}."})
+    task: str = field(
+        default="search_r1",
+        metadata={"help": f"The task the checkpoints were trained on: {', '.join(TASKS)}, or a module path."})
+    methods: list[str] | None = field(
+        default=None,
+        metadata={"help": f"Any of {', '.join(evaluation.METHODS)} that the task supports; none: all it supports."})
     generator: str = field(
         default="vllm",
         metadata={"help": "`vllm`: a running `trl vllm-serve` per checkpoint; `transformers`: in-process."})
@@ -102,9 +106,11 @@ class EvalConfig:
                                         "and every trace, browsable offline."})
 
     def __post_init__(self):
-        unknown = [m for m in self.methods if m not in evaluation.METHODS]
+        supported = get_task(self.task).methods
+        self.methods = self.methods or list(supported)
+        unknown = [m for m in self.methods if m not in supported]
         if unknown:
-            raise ValueError(f"methods {unknown}; expected any of {', '.join(evaluation.METHODS)}")
+            raise ValueError(f"methods {unknown}; task {self.task} supports any of {', '.join(supported)}")
         if self.generator not in ("vllm", "transformers"):
             raise ValueError(f"generator={self.generator!r}; expected 'vllm' or 'transformers'")
         if self.num_samples < 1:
@@ -195,7 +201,8 @@ def _check_settings(path: Path, settings: dict) -> None:
     folder was written was made at its default.
     """
     if path.exists():
-        recorded = {**{f.name: f.default for f in fields(PolicyConfig)}, **json.loads(path.read_text())}
+        recorded = {"task": EvalConfig.task, **{f.name: f.default for f in fields(PolicyConfig)},
+                    **json.loads(path.read_text())}
         changed = {k: (recorded.get(k), v) for k, v in settings.items() if recorded.get(k) != v}
         if changed:
             described = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
@@ -225,7 +232,9 @@ def check_services(config: EvalConfig, policy, pending: list[dict[str, list]]) -
     (health and a probe query) if a method with traces to generate searches, and the generator of every checkpoint
     with traces to generate (``pending[i]``: checkpoint i's missing traces by method). Without it, a retriever that
     was down turned every search into a finished trace with no passages."""
-    if any(todo for work in pending for method, todo in work.items() if method != "direct"):
+    searches = get_task(config.task).needs_retriever and any(
+        todo for work in pending for method, todo in work.items() if method != "direct")
+    if searches:
         check_retriever(policy.search_url, policy.topk)
     for index, checkpoint in enumerate(config.checkpoints):
         if any(pending[index].values()):
@@ -315,7 +324,8 @@ async def _evaluate_checkpoint(config: EvalConfig, policy, index: int,
         for name, todo in pending.items():
             if not todo:
                 continue
-            method = evaluation.build_method(name, tokenizer, generator, env_config, rollout_config)
+            method = evaluation.build_method(name, get_task(config.task), tokenizer, generator, env_config,
+                                             rollout_config)
             progress = tqdm(total=total, initial=total - len(todo), unit="question", dynamic_ncols=True,
                             desc=f"{name} {Path(checkpoint).name}")
 
@@ -341,7 +351,7 @@ def evaluate(config: EvalConfig, policy, source: dict[str, dict] | None = None) 
     for _, sample in questions:
         per_source[sample.data_source] += 1
     out = Path(config.output_dir)
-    _check_settings(out / SETTINGS_FILE, {"sample_seed": config.sample_seed, **asdict(policy)})
+    _check_settings(out / SETTINGS_FILE, {"sample_seed": config.sample_seed, "task": config.task, **asdict(policy)})
     traces = TraceFile(out / TRACES_FILE)
     try:
         pending = [{m: [(k, s) for k, s in questions if not _finished(traces.records.get((checkpoint, m, k)))]

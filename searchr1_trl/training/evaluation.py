@@ -3,19 +3,21 @@
 One definition and one path, shared by the trainer's validation (:meth:`SearchR1Trainer.evaluate`) and
 ``searchr1-eval``:
 
-- **EM** is :meth:`~searchr1_trl.tasks.search_r1.rubric.RewardExactMatch.correct`: the SQuAD-normalised final answer is
-  one of the normalised golden answers. It is the rubric's plain EM, without the training reward's levers.
+- **EM** is :meth:`~searchr1_trl.tasks.common.rubric.RewardExactMatch.correct`: the SQuAD-normalised final answer (as
+  the task reads it) is one of the normalised golden answers. It is the rubric's plain EM, without the training
+  reward's levers.
 - **Rollouts** go through the :class:`~searchr1_trl.engine.rollout.RolloutEngine` with the recipe's budgets, greedy
   (:func:`greedy_params`), as many at once as the generator takes; each finished one is handed to ``on_trace`` at
   once, so a caller can write it down before the next finishes (that is what makes ``searchr1-eval`` resumable).
 
-Three methods, as in the paper's table (:data:`METHODS`); they differ only in the prompt and the tools:
+Three methods, as in the paper's table (:data:`METHODS`; a task says which it supports, ``Task.methods``); they
+differ only in the prompt and the tools:
 
 - ``direct``: closed-book. The question and the answer format (:data:`DIRECT_INSTRUCTION`), no tool, one turn.
 - ``rag``: retrieve-then-read. The top-k passages for the question, from the same retriever with the same top-k as
   the agent, pasted into the prompt and followed by the answer format and the question
-  (:data:`~searchr1_trl.tasks.search_r1.env.RESTATEMENT`), no tool, one turn.
-- ``agent``: the Search-R1 rollout the policy is trained on (:class:`~searchr1_trl.tasks.search_r1.env.SearchR1Env`).
+  (:data:`~searchr1_trl.tasks.common.search.RESTATEMENT`), no tool, one turn.
+- ``agent``: the task's rollout, the one the policy is trained on (``Task.envs``), read by the task's ``answer``.
 
 A :class:`Trace` is one question's record: the answer, EM, each search (query and passage titles; for ``rag`` the
 one retrieval in the prompt), turns, how the rollout ended and the whole conversation. :func:`summarize` turns
@@ -41,15 +43,9 @@ from searchr1_trl.engine.generation import (
     end_token_ids,
 )
 from searchr1_trl.engine.rollout import EnvFactory, EnvStep, MessageEnv, RolloutConfig, RolloutEngine, RolloutStatus
-from searchr1_trl.tasks.search_r1.env import (
-    QUESTION_SEPARATOR,
-    RESTATEMENT,
-    SearchR1EnvConfig,
-    SearchR1EnvFactory,
-    _query_from_arguments,
-)
-from searchr1_trl.tasks.search_r1.retrieval import RetrievalClient
-from searchr1_trl.tasks.search_r1.rubric import (
+from searchr1_trl.tasks import Task
+from searchr1_trl.tasks.common.retrieval import RetrievalClient
+from searchr1_trl.tasks.common.rubric import (
     RewardExactMatch,
     final_answer,
     normalize_answer,
@@ -58,6 +54,7 @@ from searchr1_trl.tasks.search_r1.rubric import (
     search_results,
     token_f1,
 )
+from searchr1_trl.tasks.common.search import QUESTION_SEPARATOR, RESTATEMENT, SearchR1EnvConfig, query_from_arguments
 from searchr1_trl.training.checkpoints import ModelFolder, check_model_folder
 
 METHODS = ("direct", "rag", "agent")
@@ -79,15 +76,17 @@ def greedy_params(max_tokens_per_turn: int) -> SamplingParams:
     return SamplingParams.greedy(max_tokens=max_tokens_per_turn)
 
 
-def exact_match(messages: Sequence[dict], golden_answers: Sequence[str]) -> bool:
-    """Whether the conversation's final answer is a golden answer (the EM of every table and log)."""
-    return RewardExactMatch().correct(messages, golden_answers)
+def exact_match(messages: Sequence[dict], golden_answers: Sequence[str], answer=final_answer) -> bool:
+    """Whether the conversation's final answer (``answer``: the task's reader) is a golden answer (the EM of every
+    table and log)."""
+    return RewardExactMatch(answer=answer).correct(messages, golden_answers)
 
 
-def answer_f1(messages: Sequence[dict], golden_answers: Sequence[str]) -> float:
-    """SQuAD token F1 of the final answer against its best golden answer (0 without one): the partial credit every
-    table shows beside EM. ``"Denver Broncos team"`` against ``["Denver Broncos"]`` -> 0.8."""
-    answer, golds = final_answer(messages), normalized_golds(golden_answers)
+def answer_f1(messages: Sequence[dict], golden_answers: Sequence[str], answer=final_answer) -> float:
+    """SQuAD token F1 of the final answer (``answer``: the task's reader) against its best golden answer (0 without
+    one): the partial credit every table shows beside EM. ``"Denver Broncos team"`` against ``["Denver Broncos"]`` ->
+    0.8."""
+    answer, golds = answer(messages), normalized_golds(golden_answers)
     if answer is None or not golds:
         return 0.0
     return max(token_f1(normalize_answer(answer), gold) for gold in golds)
@@ -130,7 +129,7 @@ def _searches(messages: Sequence[dict], outage: bool = False) -> list[dict]:
         if message["role"] == "assistant":
             for call in message.get("tool_calls") or []:
                 function = call.get("function") or {}
-                calls.append({"query": _query_from_arguments(function.get("arguments")), "titles": [],
+                calls.append({"query": query_from_arguments(function.get("arguments")), "titles": [],
                               "failed": outage})
         elif message["role"] == "tool":
             answers.append(message.get("content") or "")
@@ -173,12 +172,14 @@ class OneTurnEnvs(EnvFactory):
 
 
 class Method:
-    """One row kind of the table: an engine (prompt, tools, budgets) and, for ``rag``, the retrieval it reads."""
+    """One row kind of the table: an engine (prompt, tools, budgets), how its final answer reads, and, for ``rag``,
+    the retrieval it reads."""
 
-    def __init__(self, name: str, engine: RolloutEngine, retrieval: RetrievalClient | None = None):
+    def __init__(self, name: str, engine: RolloutEngine, retrieval: RetrievalClient | None = None,
+                 answer=final_answer):
         if name not in METHODS:
             raise ValueError(f"method {name!r}; expected one of {', '.join(METHODS)}")
-        self.name, self.engine, self.retrieval = name, engine, retrieval
+        self.name, self.engine, self.retrieval, self.read_answer = name, engine, retrieval, answer
 
     async def answer(self, sample, params: SamplingParams) -> Trace:
         """The trace of ``sample``; a trace with a failed search has status :data:`SEARCH_FAILED` and no EM."""
@@ -196,9 +197,9 @@ class Method:
         failed = any(search["failed"] for search in searches)
         return Trace(
             question=sample.question, golden_answers=list(sample.golden_answers),
-            data_source=sample.data_source or "all", method=self.name, answer=final_answer(rollout.messages),
-            em=not failed and exact_match(rollout.messages, sample.golden_answers), searches=searches,
-            f1=0.0 if failed else answer_f1(rollout.messages, sample.golden_answers),
+            data_source=sample.data_source or "all", method=self.name, answer=self.read_answer(rollout.messages),
+            em=not failed and exact_match(rollout.messages, sample.golden_answers, self.read_answer), searches=searches,
+            f1=0.0 if failed else answer_f1(rollout.messages, sample.golden_answers, self.read_answer),
             num_turns=rollout.num_turns, status=SEARCH_FAILED if failed else rollout.status.value,
             messages=rollout.messages, gold_in_first_search=None if failed else gold_first,
             closed_turns=rollout.closed_turns,
@@ -210,11 +211,15 @@ class Method:
         await self.engine.envs.aclose()
 
 
-def build_method(name: str, tokenizer, generator: Generator, env_config: SearchR1EnvConfig,
+def build_method(name: str, task: Task, tokenizer, generator: Generator, env_config: SearchR1EnvConfig,
                  rollout_config: RolloutConfig) -> Method:
-    """The method ``name`` on ``generator``; ``direct`` and ``rag`` get one turn of ``rollout_config``'s budgets."""
+    """The method ``name`` of ``task`` on ``generator``; ``direct`` and ``rag`` get one turn of ``rollout_config``'s
+    budgets. ValueError for a method the task does not support."""
+    if name not in task.methods:
+        raise ValueError(f"method {name!r}; task {task.name} supports {', '.join(task.methods)}")
     if name == "agent":
-        return Method(name, RolloutEngine(tokenizer, generator, SearchR1EnvFactory(env_config), rollout_config))
+        return Method(name, RolloutEngine(tokenizer, generator, task.envs(env_config), rollout_config),
+                      answer=task.answer)
     one_turn = replace(rollout_config, max_turns=1)
     retrieval = RetrievalClient(env_config) if name == "rag" else None
     return Method(name, RolloutEngine(tokenizer, generator, OneTurnEnvs(), one_turn), retrieval)

@@ -3,9 +3,9 @@
 Checked: required fields, the generator's tensor parallel size against the model's KV heads (vLLM shards KV heads,
 so TP must divide them), the launch plan's GPUs (:func:`~searchr1_trl.serving.launch.check_plan`), local files (data
 files row by row, training prompts against ``max_rollout_tokens``), that the weight-sync folder holds nothing a push
-did not write, and (optionally) that the retrieval and generator servers answer. KV head counts come from the model's
-config when it can be read (local folder or Hub cache), else from the published numbers below, so recipes validate
-offline.
+did not write, and (optionally) that the retrieval server (for a task that searches) and the generator server answer.
+KV head counts come from the model's config when it can be read (local folder or Hub cache), else from the published
+numbers below, so recipes validate offline.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import httpx
 from searchr1_trl.assets.shapes import PUBLISHED_CONFIGS
 from searchr1_trl.serving.launch import check_plan
 from searchr1_trl.serving.weight_sync import check_sync_folder_is_ours, reload_folder
-from searchr1_trl.tasks.search_r1.data import load_samples
-from searchr1_trl.tasks.search_r1.env import SearchR1EnvFactory
-from searchr1_trl.tasks.search_r1.retrieval import check_retriever
+from searchr1_trl.tasks import get_task
+from searchr1_trl.tasks.common.data import load_samples
+from searchr1_trl.tasks.common.retrieval import check_retriever
 from searchr1_trl.training.recipe import part_config
 from searchr1_trl.training.rows import overlong_prompts
 
@@ -78,8 +78,8 @@ def _check_prompt_room(args, model: str) -> None:
         return
     rows = [(row, sample) for row, sample in enumerate(load_samples(args.train_data_path))
             if args.train_data_source is None or sample.data_source == args.train_data_source]
-    long = overlong_prompts([sample for _, sample in rows], SearchR1EnvFactory(part_config(args, "env")), tokenizer,
-                            part_config(args, "rollout"))
+    envs = get_task(args.task).envs(part_config(args, "env"))
+    long = overlong_prompts([sample for _, sample in rows], envs, tokenizer, part_config(args, "rollout"))
     if long:
         shown = ", ".join(f"row {rows[position][0]}: {tokens:,} tokens" for position, tokens in long[:3])
         more = ", ..." if len(long) > 3 else ""
@@ -177,7 +177,8 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
     if args.push_to_hub:
         _check_hub(args.hub_token)
     try:  # health and a probe query: a server that is up but cannot search would fail every search of the run
-        check_retriever(args.search_url, args.topk)
+        if get_task(args.task).needs_retriever:
+            check_retriever(args.search_url, args.topk)
     except ValueError as error:
         raise PlanError(str(error)) from None
     # Waits, as TRL's own client does: the server may be starting up beside the trainer (scripts/offline_job.py).

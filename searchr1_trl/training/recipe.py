@@ -5,12 +5,14 @@ overrides: TRL's ``GRPOConfig`` with the seed recipe's defaults (DAPO loss with 
 KL and no reference model, group std-normalised advantages, AdamW at lr 1e-6 with 2 warmup steps then constant,
 8 prompts x 8 generations per optimizer step, temperature 1.0, top_p 1.0, 512 tokens per turn), plus one flat field
 per knob of the task's parts. A flat field is declared with :func:`knob`, which takes its default and help text from
-the part's own config (``search_timeout_s`` is :class:`~searchr1_trl.tasks.search_r1.env.SearchR1EnvConfig`'s
+the part's own config (``search_timeout_s`` is :class:`~searchr1_trl.tasks.common.search.SearchR1EnvConfig`'s
 ``timeout_s``), so every default is written once, beside the code it configures, and :data:`KNOBS` says which part
 each flat field sets.
 :func:`build_task` is the only place that turns the flat config into parts (torchtitan's ``rollouter.py`` is the
-model): the question streams, the environment, the rollout budgets, the sampling of training turns, the rubric and
-the generator.
+model): the task the ``task`` field names (:func:`~searchr1_trl.tasks.get_task`), its question streams,
+environment and rubric, the rollout budgets, the sampling of training turns and the generator. The task parts'
+knobs (questions, search, exact match) are those every task here shares (:mod:`searchr1_trl.tasks.common`); a task
+ignores the ones it has no use for (the calculator has no retriever).
 
 Fields of ``GRPOConfig`` that :class:`~searchr1_trl.training.trainer.SearchR1Trainer` must set itself
 (:data:`TRAINER_OWNED`)
@@ -45,11 +47,12 @@ from searchr1_trl.engine.generation import (
     end_token_ids,
     resolve_generator,
 )
-from searchr1_trl.engine.rollout import RolloutConfig
+from searchr1_trl.engine.rollout import EnvFactory, RolloutConfig
 from searchr1_trl.serving.launch import LaunchConfig
-from searchr1_trl.tasks.search_r1.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample
-from searchr1_trl.tasks.search_r1.env import SearchR1EnvConfig, SearchR1EnvFactory
-from searchr1_trl.tasks.search_r1.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
+from searchr1_trl.tasks import TASKS, Task, get_task
+from searchr1_trl.tasks.common.data import SearchR1Dataset, SearchR1DatasetConfig
+from searchr1_trl.tasks.common.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
+from searchr1_trl.tasks.common.search import SearchR1EnvConfig
 from searchr1_trl.training.callbacks import KEEP_METRIC, CollapseGuardConfig
 from searchr1_trl.training.experimental.async_rollouts import IMPORTANCE_SAMPLING_MODES, AsyncRolloutsConfig
 from searchr1_trl.training.warm_start import WarmStartConfig
@@ -66,7 +69,7 @@ def _recipes_dir() -> Path:
 
 CONFIGS = _recipes_dir()
 
-# The parts a recipe configures, with the defaults the Search-R1 task gives them.
+# The parts a recipe configures, with their defaults.
 PARTS: dict[str, Any] = {
     "train_stream": SearchR1DatasetConfig(),  # train.parquet, shuffled with seed 42, a new order every epoch
     # The NQ split of the test file, in file order, so every validation draws the same questions.
@@ -198,6 +201,11 @@ class SearchR1Config(GRPOConfig):
         metadata={"help": "Write output_dir/report.html when training ends (searchr1-report): the curves and the "
                           "validation traces, browsable offline, with the first validation set against the last."},
     )
+    task: str = field(
+        default="search_r1",
+        metadata={"help": f"The task to train: {', '.join(TASKS)} (searchr1_trl/tasks/), or the module path of one "
+                          "outside the package (docs/adding_a_task.md)."},
+    )
     eval_sample_seed: int | None = field(
         default=None,
         metadata={"help": "None: the first eval_num_samples rows in file order (the seed's slice); a seed: a seeded "
@@ -309,6 +317,7 @@ class SearchR1Config(GRPOConfig):
 
     def __post_init__(self):
         self.generator = resolve_generator(self.generator)
+        get_task(self.task)  # ValueError naming the known tasks
         if not 0 <= self.max_failed_search_fraction <= 1:
             raise ValueError(f"max_failed_search_fraction={self.max_failed_search_fraction!r}; expected a fraction "
                              "in [0, 1]")
@@ -393,27 +402,30 @@ def part_config(args: SearchR1Config, part: str) -> Any:
 
 
 @dataclass
-class SearchR1Task:
+class TaskParts:
     """Everything the trainer plugs into GRPOTrainer, built from one recipe by :func:`build_task`."""
 
+    task: Task  # what the parts below were built for
     train_stream: SearchR1Dataset
-    eval_samples: list[SearchR1Sample]  # [] when the recipe never validates
-    envs: SearchR1EnvFactory  # one env per rollout
+    eval_samples: list  # the task's samples; [] when the recipe never validates
+    envs: EnvFactory  # one env per rollout
     rollout: RolloutConfig
     sampling: SamplingParams  # of training turns; validation is greedy with the same max_tokens
     rubric: Rubric
     generator: Callable[[Any, Any], Generator]  # (model, tokenizer) -> generator: TRL loads the model first
     warm_start: WarmStartConfig  # num_traces 0: none
-    report_samples: list[SearchR1Sample] = field(default_factory=list)  # disjoint from eval_samples
+    report_samples: list = field(default_factory=list)  # disjoint from eval_samples
 
 
-def build_task(args: SearchR1Config) -> SearchR1Task:
-    """The question streams, environment, rollout budgets, sampling, rubric and generator of a recipe."""
+def build_task(args: SearchR1Config) -> TaskParts:
+    """The task, question streams, environment, rollout budgets, sampling, rubric and generator of a recipe."""
+    task = get_task(args.task)
     validates = args.eval_strategy != "no" or args.eval_on_start
     eval_stream = part_config(args, "eval_stream")
     if args.eval_sample_seed is not None:
         eval_stream = replace(eval_stream, shuffle=True, seed=args.eval_sample_seed)
-    rubric = Rubric([RewardExactMatch(part_config(args, "exact_match"))], **asdict(part_config(args, "rubric")))
+    rubric = Rubric([RewardExactMatch(part_config(args, "exact_match"), answer=task.answer)],
+                    **asdict(part_config(args, "rubric")))
     if args.generator == "vllm":
         vllm = part_config(args, "vllm_generator")
 
@@ -434,11 +446,12 @@ def build_task(args: SearchR1Config) -> SearchR1Task:
         raise ValueError(f"eval_num_samples={args.eval_num_samples} + report_num_samples={args.report_num_samples} "
                          f"asks for more questions than {eval_stream.data_path or eval_stream.filename} holds "
                          f"({len(held_out)})")
-    return SearchR1Task(
+    return TaskParts(
+        task=task,
         train_stream=SearchR1Dataset(part_config(args, "train_stream")),
         eval_samples=held_out[:args.eval_num_samples],
         report_samples=held_out[args.eval_num_samples:],
-        envs=SearchR1EnvFactory(part_config(args, "env")),
+        envs=task.envs(part_config(args, "env")),
         rollout=part_config(args, "rollout"),
         sampling=replace(part_config(args, "sampling"), temperature=args.temperature, top_p=args.top_p),
         rubric=rubric,

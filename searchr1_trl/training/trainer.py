@@ -1,8 +1,10 @@
 """SearchR1Trainer: TRL's GRPOTrainer with the Search-R1 question stream, multi-turn rollouts and EM rubric plugged in.
 
 What this subclass decides, and nothing more:
-- **Questions** come from the endless, seeded :class:`~searchr1_trl.tasks.search_r1.data.SearchR1Dataset`, drawn one
-  optimizer step at a time (:class:`~searchr1_trl.tasks.search_r1.data.QuestionBatches`), not a sampler over a map-style
+- **The task** is the recipe's (``task``, :func:`~searchr1_trl.tasks.get_task`), reached only through its
+  :class:`~searchr1_trl.tasks.Task`: its samples, environments and answer reader.
+- **Questions** come from the endless, seeded :class:`~searchr1_trl.tasks.common.data.SearchR1Dataset`, drawn one
+  optimizer step at a time (:class:`~searchr1_trl.tasks.common.data.QuestionBatches`), not a sampler over a map-style
   dataset, so a resumed run continues the exact question sequence (its state is saved in every checkpoint next to the
   optimizer's).
 - **A checkpoint is complete or ignored**: the stream state is written (atomically) first, a
@@ -10,10 +12,10 @@ What this subclass decides, and nothing more:
   kill at any moment leaves a complete checkpoint; ``resume_from_checkpoint=True`` (``latest``) takes the newest one
   whose files are whole (:func:`~searchr1_trl.training.checkpoints.resume_checkpoint`).
 - **Rollouts** go through TRL's ``rollout_func`` hook: the generic :class:`~searchr1_trl.engine.rollout.RolloutEngine`
-  drives one :class:`~searchr1_trl.tasks.search_r1.env.SearchR1Env` per rollout, built for that row's sample; the
+  drives one of the task's environments per rollout, built for that row's sample; the
   returned
   ``env_mask`` keeps tool tokens out of the loss.
-- **Rewards** are the :class:`~searchr1_trl.tasks.search_r1.rubric.Rubric`, a plain TRL reward function that scores each
+- **Rewards** are the :class:`~searchr1_trl.tasks.common.rubric.Rubric`, a plain TRL reward function that scores each
   rollout (handed on by ``rollout_func``) from its own sample.
 - **Generator weights** are pushed once per optimizer step, before its rollouts or a validation, by the
   :mod:`searchr1_trl.serving.weight_sync` push the recipe names (TRL's NCCL path, a safetensors folder the vLLM server
@@ -87,7 +89,7 @@ from trl.models import unwrap_model_for_generation
 
 from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
 from searchr1_trl.serving.weight_sync import PausedPush, ReloadPush, warn_stale_tied_head, weight_push
-from searchr1_trl.tasks.search_r1.data import QuestionBatches, SearchR1Sample, training_row
+from searchr1_trl.tasks.common.data import QuestionBatches, training_row
 from searchr1_trl.training import evaluation
 from searchr1_trl.training.as_trained import save_recipe
 from searchr1_trl.training.callbacks import CollapseGuard, DivergentStepGuard, NonFiniteGradientGuard
@@ -98,7 +100,7 @@ from searchr1_trl.training.checkpoints import (
     save_failure,
 )
 from searchr1_trl.training.experimental import async_rollouts
-from searchr1_trl.training.recipe import SearchR1Config, SearchR1Task, build_task, part_config
+from searchr1_trl.training.recipe import SearchR1Config, TaskParts, build_task, part_config
 from searchr1_trl.training.rows import with_placeholder_completion
 from searchr1_trl.training.update import compile_decoder_layers, loss_mask, packed_forward, with_fp32_master_weights
 
@@ -111,18 +113,18 @@ class SearchOutage(RuntimeError):
 
 
 class SearchR1Trainer(GRPOTrainer):
-    """GRPO on multi-turn search rollouts.
+    """GRPO on multi-turn tool rollouts of the recipe's task.
 
-    The task's parts come from ``args`` through :func:`~searchr1_trl.training.recipe.build_task` unless ``task`` is
-    passed;
-    ``reward_funcs`` defaults to the task's rubric (pass it with extra TRL reward functions to add them).
+    The task's parts come from ``args`` through :func:`~searchr1_trl.training.recipe.build_task` unless ``parts`` are
+    passed; ``reward_funcs`` defaults to the task's rubric (pass it with extra TRL reward functions to add them).
     """
 
     def __init__(self, model, args: SearchR1Config, processing_class=None, peft_config=None,
-                 task: SearchR1Task | None = None, reward_funcs: list | None = None, **kwargs):
-        self.task = task or build_task(args)
-        self.train_stream, self.eval_samples, self.envs = self.task.train_stream, self.task.eval_samples, self.task.envs
-        self._batch_samples: list[SearchR1Sample] = []  # of the rows being rolled out, in order
+                 parts: TaskParts | None = None, reward_funcs: list | None = None, **kwargs):
+        self.parts = parts or build_task(args)
+        self.train_stream, self.eval_samples, self.envs = (self.parts.train_stream, self.parts.eval_samples,
+                                                           self.parts.envs)
+        self._batch_samples: list = []  # the task's samples of the rows being rolled out, in order
         self._loop: asyncio.AbstractEventLoop | None = None
         self._synced_step = -1
         self._loss_positions: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by _compute_loss
@@ -133,7 +135,7 @@ class SearchR1Trainer(GRPOTrainer):
         train_dataset = datasets.IterableDataset.from_generator(lambda: iter(()))
         eval_dataset = datasets.Dataset.from_list([training_row(s, self.envs) for s in self.eval_samples]) or None
         super().__init__(
-            model=model, reward_funcs=reward_funcs or [self.task.rubric], args=args, train_dataset=train_dataset,
+            model=model, reward_funcs=reward_funcs or [self.parts.rubric], args=args, train_dataset=train_dataset,
             eval_dataset=eval_dataset if len(self.eval_samples) else None, processing_class=processing_class,
             peft_config=peft_config, rollout_func=self._rollout_func, **kwargs,
         )
@@ -150,8 +152,8 @@ class SearchR1Trainer(GRPOTrainer):
         if args.collapse_guard and args.eval_strategy != "no":
             self.collapse_guard = CollapseGuard(part_config(args, "collapse_guard"))
             self.add_callback(self.collapse_guard)
-        self.engine = RolloutEngine(self.processing_class, self.task.generator(self.model, self.processing_class),
-                                    self.envs, self.task.rollout)
+        self.engine = RolloutEngine(self.processing_class, self.parts.generator(self.model, self.processing_class),
+                                    self.envs, self.parts.rollout)
         if args.generator == "vllm" and args.weight_sync == "ipc":
             if self.accelerator.device.type != "cuda":  # else the first push fails, in the server's words
                 raise ValueError(f"weight_sync='ipc' shares CUDA memory with a server on the trainer's GPU; this "
@@ -270,7 +272,7 @@ class SearchR1Trainer(GRPOTrainer):
         # Timed as ``generate_and_score/time_s`` (push, rollouts, rewards, TRL's old-log-prob forward): the rest of
         # TRL's step_time is the loss and the backward passes.
         start = time.perf_counter()
-        self._batch_samples = [SearchR1Sample.from_row(row) for row in inputs]
+        self._batch_samples = [self.parts.task.sample.from_row(row) for row in inputs]
         output = super()._generate_and_score_completions(inputs)
         if self.model.training:
             if self.args.drop_equal_reward_groups:
@@ -370,7 +372,7 @@ class SearchR1Trainer(GRPOTrainer):
         if self.pipeline is not None and mode == "train":
             rollouts = self.pipeline.take(self.state.global_step, self._batch_samples, self.state.max_steps)
         else:
-            rollouts = self._run_on_generator(self.engine.run(self._batch_samples, self.task.sampling))
+            rollouts = self._run_on_generator(self.engine.run(self._batch_samples, self.parts.sampling))
         self._log_rollouts(mode, rollouts, time.perf_counter() - start)
         rollouts = with_placeholder_completion(rollouts, self.processing_class.eos_token_id)  # TRL needs a token
         return {
@@ -397,7 +399,7 @@ class SearchR1Trainer(GRPOTrainer):
         env_metrics = self.envs.metrics()
         for key, value in env_metrics.items():
             metrics[key].append(value)
-        if mode == "train":
+        if mode == "train" and "search/searches" in env_metrics:  # a task that searches
             self._stop_on_search_outage(env_metrics["search/failures"], env_metrics["search/searches"])
             if self.args.save_parse_failures:
                 self._write_parse_failures([r for r in rollouts if r.status == RolloutStatus.ERROR_PARSE])
@@ -477,14 +479,14 @@ class SearchR1Trainer(GRPOTrainer):
             self.pipeline.drain()  # validation runs alone
         self._sync_generator_weights()
         held_out = [(metric_key_prefix, s) for s in self.eval_samples]
-        held_out += [("report", s) for s in self.task.report_samples]
+        held_out += [("report", s) for s in self.parts.report_samples]
         local = held_out[self.accelerator.process_index::self.accelerator.num_processes]
         start = time.perf_counter()
         progress = tqdm(total=len(local), desc="validation rollouts", unit="rollout", leave=False,
                         disable=not self.is_local_process_zero())
         traces = self._run_on_generator(evaluation.run(
-            evaluation.Method("agent", self.engine), [sample for _, sample in local],
-            evaluation.greedy_params(self.task.sampling.max_tokens),
+            evaluation.Method("agent", self.engine, answer=self.parts.task.answer), [sample for _, sample in local],
+            evaluation.greedy_params(self.parts.sampling.max_tokens),
             on_trace=lambda index, trace: progress.update(), max_concurrency=self.args.generator_max_concurrency,
         ))
         progress.close()
@@ -526,9 +528,9 @@ class SearchR1Trainer(GRPOTrainer):
             batches.source = async_rollouts.Lookahead(batches.draw, self.train_stream.state_dict)
             self.pipeline = async_rollouts.RolloutPipeline(
                 lambda samples: asyncio.run_coroutine_threadsafe(
-                    self.engine.run(samples, self.task.sampling), self._loop),
-                batches.source, lambda rows: [SearchR1Sample.from_row(row) for row in rows], self.args.max_staleness,
-                self._metrics["train"])
+                    self.engine.run(samples, self.parts.sampling), self._loop),
+                batches.source, lambda rows: [self.parts.task.sample.from_row(row) for row in rows],
+                self.args.max_staleness, self._metrics["train"])
         return batches
 
     def _save_checkpoint(self, model, trial):

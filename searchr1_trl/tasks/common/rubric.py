@@ -1,4 +1,4 @@
-"""Search-R1 reward: exact match (EM) of the final answer against the golden answers.
+"""The reward of every task here: exact match (EM) of the final answer against the golden answers.
 
 Pure EM 0/1 by default; opt-in levers put the search behaviour and near misses into the gradient:
 
@@ -20,8 +20,9 @@ wrong or no answer                                         the larger of ``retri
 anything else                                              0.0
 =========================================================  ===============================
 
-The final answer is the content of the last assistant message; there is none when the rollout ended on a tool call
-or on empty content. Answers and golden answers are compared after SQuAD normalisation, exactly as the official
+The final answer is what the task's ``answer`` reader finds in the conversation; by default (:func:`final_answer`, the
+tool-call protocol) the content of the last assistant message, none when the rollout ended on a tool call or on
+empty content. Answers and golden answers are compared after SQuAD normalisation, exactly as the official
 SQuAD script does it, so EM numbers stay comparable with published Search-R1 results.
 
 A :class:`Rubric` sums weighted reward functions and gives ``truncation_reward`` (0.0) to rollouts a budget cut
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from searchr1_trl.engine.rollout import RolloutStatus
-from searchr1_trl.tasks.search_r1.env import SEARCH_TOOL_NAME
+from searchr1_trl.tasks.common.search import SEARCH_TOOL_NAME
 
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -111,12 +112,6 @@ def retrieval_surfaced_gold(messages: Sequence[dict], golds: set[str]) -> bool:
     return any(passages_hold_gold(result, golds) for result in search_results(messages))
 
 
-def _normalized_final_answer(messages: Sequence[dict]) -> str | None:
-    """:func:`final_answer` after SQuAD normalisation; None when there is no final answer."""
-    answer = final_answer(messages)
-    return normalize_answer(answer) if answer is not None else None
-
-
 def normalized_golds(golden_answers: Sequence[str]) -> set[str]:
     """Normalised golden answers, without those that normalise to nothing (``"The"`` would match every answer)."""
     return {gold for gold in map(normalize_answer, golden_answers) if gold}
@@ -142,22 +137,32 @@ class RewardExactMatchConfig:
     weight: float = field(default=1.0, metadata={"help": "Weight of this reward in the rubric's sum."})
 
 
-class RewardExactMatch:
-    """Exact match of the final answer against any golden answer, with the levers of the module docstring."""
+AnswerReader = Callable[[Sequence[dict]], str | None]
 
-    def __init__(self, config: RewardExactMatchConfig | None = None):
+
+class RewardExactMatch:
+    """Exact match of the final answer (``answer``: the task's reader) against any golden answer, with the levers of
+    the module docstring."""
+
+    def __init__(self, config: RewardExactMatchConfig | None = None, answer: AnswerReader = final_answer):
         self.config = config or RewardExactMatchConfig()
+        self.answer = answer
         self.weight = self.config.weight
         self.__name__ = "exact_match"  # the name TRL logs this reward under
 
+    def _normalized_answer(self, messages: Sequence[dict]) -> str | None:
+        """The final answer after SQuAD normalisation; None when there is none."""
+        answer = self.answer(messages)
+        return normalize_answer(answer) if answer is not None else None
+
     def correct(self, messages: Sequence[dict], golden_answers: Sequence[str]) -> bool:
         """Whether the final answer is a golden answer (plain EM: what validation measures, no levers)."""
-        return _normalized_final_answer(messages) in normalized_golds(golden_answers)
+        return self._normalized_answer(messages) in normalized_golds(golden_answers)
 
     def score(self, messages: Sequence[dict], golden_answers: Sequence[str]) -> float:
         """The reward of one conversation."""
         golds = normalized_golds(golden_answers)
-        normalized = _normalized_final_answer(messages)
+        normalized = self._normalized_answer(messages)
         if normalized in golds:
             if _made_search_call(messages):
                 return self.config.score

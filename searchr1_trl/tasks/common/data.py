@@ -1,4 +1,4 @@
-"""The question stream: an endless, reproducible, resumable sequence of Search-R1 questions.
+"""The question stream: an endless, reproducible, resumable sequence of questions, what every task here reads.
 
 Rows come from a parquet with ``question`` and ``golden_answers`` columns (and optionally ``data_source``): the
 preprocessed NQ/HotpotQA files on the Hub dataset ``PeterJinGo/nq_hotpotqa_train`` by default, or a local file via
@@ -26,7 +26,7 @@ import pandas as pd
 if TYPE_CHECKING:
     from trl import GRPOConfig
 
-    from searchr1_trl.tasks.search_r1.env import SearchR1EnvFactory
+    from searchr1_trl.engine.rollout import EnvFactory
 
 REQUIRED_COLUMNS = ("question", "golden_answers")
 
@@ -198,7 +198,7 @@ class SearchR1Dataset(Iterator[SearchR1Sample]):
         self._rng.bit_generator.state = state["rng"]
 
 
-def training_row(sample: SearchR1Sample, envs: SearchR1EnvFactory) -> dict:
+def training_row(sample: SearchR1Sample, envs: EnvFactory) -> dict:
     """A training row: the sample's columns, and the prompt its env starts from (TRL requires one per row)."""
     return {"prompt": envs().reset(sample), **sample.as_row()}
 
@@ -211,7 +211,7 @@ class QuestionBatches:
     but from a stream whose position is exactly the number of optimizer steps taken, so it can be checkpointed.
     """
 
-    def __init__(self, stream: SearchR1Dataset, envs: SearchR1EnvFactory, args: GRPOConfig, process_index: int,
+    def __init__(self, stream: SearchR1Dataset, envs: EnvFactory, args: GRPOConfig, process_index: int,
                  num_processes: int):
         self.stream, self.envs = stream, envs
         self.questions_per_step = args.generation_batch_size // args.num_generations
