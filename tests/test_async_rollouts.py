@@ -383,7 +383,8 @@ def async_run(tiny_model_dir, questions_file, folder: Path, resume=None, callbac
     """Three async optimizer steps of the in-process generator, no search (one turn of 8 tokens)."""
     args = small_config(folder, questions_file, "http://127.0.0.1:9/retrieve", max_steps=3, save_strategy="steps",
                         save_steps=2, generator="transformers", max_tokens_per_turn=8, max_turns=1,
-                        async_rollouts=True, max_staleness=1, learning_rate=1e-3)
+                        async_rollouts=True, max_staleness=1, learning_rate=1e-3,
+                        max_behaviour_kl=0.0)  # lr 1e-3 moves the policy past the bound: every step must train
     task = build_task(args)
     recorder = TrainedQuestions()
     trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args, parts=task,
@@ -523,7 +524,8 @@ def test_an_async_runs_kl_to_the_reference_is_zero_before_the_first_update_and_g
     # A reward that differs between rollouts gives the update advantages to move the weights by.
     args = small_config(tmp_path, questions_file, "http://127.0.0.1:9/retrieve", max_steps=2, generator="transformers",
                         max_tokens_per_turn=8, max_turns=1, async_rollouts=True, max_staleness=1, learning_rate=1e-3,
-                        beta=0.04, padding_free=padding_free, compile_layers=compile_layers)
+                        beta=0.04, padding_free=padding_free, compile_layers=compile_layers,
+                        max_behaviour_kl=0.0)  # lr 1e-3 moves the policy past the bound: every step must train
     trainer = trainer_with_text_reward(str(tiny_model_dir), args)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "async/staleness" in entry]
@@ -570,30 +572,50 @@ def test_a_step_the_policy_moved_too_far_from_is_skipped_and_the_next_one_is_on_
     assert abs(gaps[2]) < 1e-4, f"step 3's rollouts were sampled by the weights it trains: {gaps}"
 
 
-def test_an_async_recipe_without_the_bound_is_warned_where_the_bound_could_run(questions_file, tmp_path, caplog):
-    unbounded = update_config(tmp_path, questions_file, async_rollouts=True, generator="vllm")
+def test_the_bound_on_the_gap_is_on_by_default_and_turning_it_off_where_it_could_run_is_warned(questions_file, tmp_path,
+                                                                                                   caplog):
+    unbounded = update_config(tmp_path, questions_file, async_rollouts=True, generator="vllm", max_behaviour_kl=0.0)
     with caplog.at_level("WARNING", logger="searchr1_trl.training.experimental.async_rollouts"):
-        check_recipe(update_config(tmp_path, questions_file, async_rollouts=True, max_behaviour_kl=0.01),
-                     deepspeed=False)
-        check_recipe(unbounded, deepspeed=True)  # where it cannot skip a step, there is nothing to advise
-        check_recipe(update_config(tmp_path, questions_file, async_rollouts=True, generator="vllm",
-                                   vllm_importance_sampling_correction=False), deepspeed=False)  # nor measure the gap
-        assert "max_behaviour_kl" not in caplog.text
-        check_recipe(unbounded, deepspeed=False)
-    assert "async_rollouts without max_behaviour_kl" in caplog.text and "0.01 kept three seeds" in caplog.text
+        assert check_recipe(update_config(tmp_path, questions_file, async_rollouts=True), deepspeed=False) == 0.01
+        assert check_recipe(unbounded, deepspeed=True) is None  # where it cannot skip a step, nothing to advise
+        assert check_recipe(update_config(tmp_path, questions_file, async_rollouts=True, generator="vllm",
+                                          vllm_importance_sampling_correction=False, max_behaviour_kl=0.0),
+                            deepspeed=False) is None  # nor where it cannot measure the gap
+        assert "max_behaviour_kl 0" not in caplog.text and "is off in this run" not in caplog.text
+        assert check_recipe(unbounded, deepspeed=False) is None
+    assert "async_rollouts with max_behaviour_kl 0" in caplog.text and "0.01, the default, kept three" in caplog.text
 
 
-def test_a_bound_on_the_gap_is_refused_where_it_cannot_skip_or_measure(tiny_model_dir, questions_file, tmp_path):
-    base = update_config(tmp_path, questions_file, async_rollouts=True, max_behaviour_kl=0.01)
-    check_recipe(base, deepspeed=False)
-    with pytest.raises(ValueError, match=r"max_behaviour_kl=0\.01 under DeepSpeed"):
-        check_recipe(base, deepspeed=True)
-    with pytest.raises(ValueError, match="vllm_importance_sampling_correction=False"):
-        check_recipe(update_config(tmp_path, questions_file, async_rollouts=True, max_behaviour_kl=0.01,
-                                   vllm_importance_sampling_correction=False), deepspeed=False)
-    with pytest.raises(ValueError, match=r"max_behaviour_kl=0\.0; expected a gap > 0"):
+def test_the_bound_is_off_and_said_so_where_it_cannot_skip_or_measure(tiny_model_dir, questions_file, tmp_path,
+                                                                       caplog):
+    base = update_config(tmp_path, questions_file, async_rollouts=True, generator="vllm", max_behaviour_kl=0.01)
+    with caplog.at_level("WARNING", logger="searchr1_trl.training.experimental.async_rollouts"):
+        assert check_recipe(base, deepspeed=True) is None
+        assert check_recipe(update_config(tmp_path, questions_file, async_rollouts=True,
+                                          vllm_importance_sampling_correction=False), deepspeed=False) is None
+    assert "max_behaviour_kl=0.01 is off in this run: DeepSpeed steps the optimizer" in caplog.text
+    assert "max_behaviour_kl=0.01 is off in this run: vllm_importance_sampling_correction=False" in caplog.text
+    with pytest.raises(ValueError, match=r"max_behaviour_kl=-0\.01; expected a gap > 0"):
         SearchR1Trainer(model=str(tiny_model_dir), args=update_config(tmp_path, questions_file, async_rollouts=True,
-                                                                       max_behaviour_kl=0.0))
+                                                                       max_behaviour_kl=-0.01))
+
+
+def test_asynchronous_rollouts_and_pausing_them_warn_once_that_they_are_experimental(questions_file, tmp_path,
+                                                                                      caplog, monkeypatch):
+    from searchr1_trl.training import experimental
+
+    monkeypatch.setattr(experimental, "_warned", set())
+    paused = update_config(tmp_path, questions_file, async_rollouts=True, generator="vllm", in_flight_rollouts="pause")
+    with caplog.at_level("WARNING", logger="searchr1_trl.training.experimental"):
+        check_recipe(update_config(tmp_path, questions_file, async_rollouts=True), deepspeed=False)
+        check_recipe(paused, deepspeed=False)
+        check_recipe(paused, deepspeed=False)
+    experimental_lines = [r.getMessage() for r in caplog.records if "is experimental" in r.getMessage()]
+    assert [line.split(" is experimental")[0] for line in experimental_lines] == [
+        "async_rollouts", "in_flight_rollouts='pause'"]
+    assert "collapsed" in experimental_lines[1]
+    assert not update_config(tmp_path, questions_file).async_rollouts  # neither is a default
+    assert update_config(tmp_path, questions_file).in_flight_rollouts == "finish"
 
 
 def test_a_gap_that_outlasts_the_skips_stops_training_as_a_broken_push():

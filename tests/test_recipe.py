@@ -96,17 +96,10 @@ def test_the_staleness_corrections_knobs_are_checked_before_a_step_reads_them():
     assert (args.vllm_importance_sampling_mode, args.off_policy_mask_threshold) == ("sequence_truncate", 0.02)
 
 
-def test_pausing_rollouts_for_a_push_is_checked_with_a_warning_of_its_gpu_collapse(caplog):
-    args = parse_recipe("offline_gpu", "--generator", "vllm", "--async_rollouts", "true",
-                        "--in_flight_rollouts", "pause")[0]
-    with caplog.at_level("WARNING", logger="searchr1_trl.training.experimental.async_rollouts"):
-        async_rollouts.check_recipe(args, deepspeed=False)
-    assert "in_flight_rollouts='pause'" in caplog.text and "collapsed" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="searchr1_trl.training.experimental.async_rollouts"):
-        async_rollouts.check_recipe(parse_recipe("offline_gpu", "--generator", "vllm", "--async_rollouts", "true")[0],
-                                    deepspeed=False)
-    assert "in_flight_rollouts" not in caplog.text  # the default, finish, runs as measured
+def test_pausing_rollouts_for_a_push_needs_the_vllm_server():
+    with pytest.raises(ValueError, match=r"in_flight_rollouts='pause' with generator='transformers'"):
+        async_rollouts.check_recipe(parse_recipe("offline_gpu", "--async_rollouts", "true", "--generator",
+                                                 "transformers", "--in_flight_rollouts", "pause")[0], deepspeed=False)
 
 
 def test_offline_validation_is_a_seeded_sample_across_articles_not_the_first_rows(offline_assets):

@@ -58,7 +58,7 @@ def test_every_variant_is_a_valid_offline_gpu_recipe_as_the_gpu_script_reads_it(
     assert (lean.async_rollouts, lean.activation_checkpointing, lean.off_policy_mask_threshold) == (True, False, 0.02)
     guarded = parsed["async_guard"]
     assert (guarded.activation_checkpointing, guarded.max_behaviour_kl) == (False, 0.01)
-    assert lean.max_behaviour_kl is None
+    assert lean.max_behaviour_kl == 0  # measured before the bound was the default: without it
 
 
 def test_an_unknown_variant_stops_the_script_naming_every_variant_there_is():

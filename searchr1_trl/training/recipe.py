@@ -268,11 +268,11 @@ class SearchR1Config(GRPOConfig):
     collapse_entropy_drop: float = knob("collapse_guard", "entropy_drop")
     collapse_noise_z: float = knob("collapse_guard", "noise_z")
 
-    # --- asynchronous rollouts (searchr1_trl/training/experimental/async_rollouts.py) ---
+    # --- asynchronous rollouts, experimental (searchr1_trl/training/experimental/async_rollouts.py) ---
     async_rollouts: bool = knob("async_rollouts", "enabled")
     max_staleness: int = knob("async_rollouts", "max_staleness")
     in_flight_rollouts: str = knob("async_rollouts", "in_flight")
-    max_behaviour_kl: float | None = knob("async_rollouts", "max_behaviour_kl")
+    max_behaviour_kl: float = knob("async_rollouts", "max_behaviour_kl")
 
     # --- generator ---
     generator: str = field(

@@ -22,7 +22,7 @@ What this subclass decides, and nothing more:
   reloads, or CUDA IPC to a server on the same GPU). The in-process generator (``generator="transformers"``) uses
   the live model, no sync.
 - **Validation** is greedy rollouts over a fixed held-out slice, logged as EM overall and per data source.
-- **Asynchronous rollouts** (``async_rollouts``, off by default;
+- **Asynchronous rollouts** (``async_rollouts``, experimental, off by default;
 :mod:`searchr1_trl.training.experimental.async_rollouts`): the next
   ``max_staleness`` steps' rollouts generate on the rollout loop, run in a background thread, while the trainer
   updates; each is tagged with its policy version, bounded in staleness and weighted by ``pi_current / pi_behaviour``;
@@ -169,9 +169,9 @@ class SearchR1Trainer(GRPOTrainer):
         self.pipeline: async_rollouts.RolloutPipeline | None = None  # made with the dataloader, under async_rollouts
         self.divergence_guard: DivergentStepGuard | None = None
         if args.async_rollouts:
-            async_rollouts.check_recipe(args, self.is_deepspeed_enabled)
-            if args.max_behaviour_kl is not None:
-                self.divergence_guard = DivergentStepGuard(args.max_behaviour_kl, args.max_staleness,
+            bound = async_rollouts.check_recipe(args, self.is_deepspeed_enabled)
+            if bound is not None:
+                self.divergence_guard = DivergentStepGuard(bound, args.max_staleness,
                                                            self._metrics["train"])
                 self.add_callback(self.divergence_guard)
             if args.generator == "transformers":

@@ -1,6 +1,7 @@
 """Asynchronous rollouts: the generator samples the next steps' questions while the trainer updates.
 
-Off by default (``async_rollouts``). What this module decides:
+Experimental: off by default (``async_rollouts``), warned once when on (:mod:`searchr1_trl.training.experimental`).
+What this module decides:
 
 - **One step off-policy, bounded.** When the trainer takes step ``i``'s rollouts it launches those of steps
   ``i+1 .. i+max_staleness`` on the rollout loop (a background thread) and returns at once, so generation overlaps the
@@ -46,7 +47,7 @@ Off by default (``async_rollouts``). What this module decides:
   same behaviour log-probs, and ``sequence_truncate`` clips where ``sequence_mask`` zeroes. TRL's defaults stand (no
   mask, ``sequence_mask``); the two together (``async_safe`` in experiments/gpu_path.sh) kept three seeds on one H200
   within 0.02 EM of lock-step (experiments/results/README.md, "The remedy, three seeds").
-- **A bound on how far the policy moved** (``max_behaviour_kl``, off by default): a step whose rollouts' mean gap
+- **A bound on how far the policy moved** (``max_behaviour_kl``, 0.01 by default, 0: off): a step whose mean gap
   ``log pi_behaviour - log pi_current`` exceeds it in size (the policy moved far, either way) keeps its weights: the
   optimizer step is skipped (:class:`~searchr1_trl.training.callbacks.DivergentStepGuard`). With ``max_staleness`` 1 the
   rollouts then in flight were sampled by exactly those weights, so the next step is on-policy, as lock-step's every
@@ -58,7 +59,8 @@ Off by default (``async_rollouts``). What this module decides:
   checkpointing"). At 0.01, with ``async_safe``'s two knobs, three seeds alone on an H100 ran 30 steps 1.74-1.79x
   faster than lock-step through tmpfs (one run on another H100), none collapsing, EM level with lock-step's (the seed
   that tipped was skipped twice and recovered as lock-step does; experiments/results/README.md, "The bound on the GPU").
-  Where the bound can run (no DeepSpeed, the correction on) a recipe that leaves it unset is warned.
+  It is on by default where it can run (no DeepSpeed, the correction on; elsewhere it is off, said once), and a
+  recipe that turns it off there is warned.
 - **Validation stays synchronous**: it waits for the rollouts in flight and launches none.
 - **Resume is exact for the question stream**: questions are drawn ahead (:class:`Lookahead`) but a checkpoint saves
   the stream's state from before the oldest draw no step has trained on, so rollouts in flight at a checkpoint are
@@ -89,6 +91,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from searchr1_trl.training.experimental import warn_experimental
 from searchr1_trl.training.update import loss_mask
 
 logger = logging.getLogger(__name__)
@@ -105,8 +108,9 @@ class AsyncRolloutsConfig:
 
     enabled: bool = field(
         default=False,
-        metadata={"help": "Generate the next max_staleness steps' rollouts while the trainer updates; each is weighted "
-                          "by pi_current / pi_behaviour (TRL's vllm_importance_sampling_* knobs). Off: lock-step."},
+        metadata={"help": "Experimental (warned once): generate the next max_staleness steps' rollouts while the "
+                          "trainer updates; each is weighted by pi_current / pi_behaviour (TRL's "
+                          "vllm_importance_sampling_* knobs). Off: lock-step."},
     )
     max_staleness: int = field(
         default=1,
@@ -116,22 +120,25 @@ class AsyncRolloutsConfig:
     in_flight: str = field(
         default="finish",
         metadata={"help": "With async_rollouts, the rollouts in flight at a weight push: `finish` waits for them "
-                          "(they end on the weights they started with); `pause` freezes them on the vLLM server for "
-                          "the push (/pause) and lets them go on with the new weights, without the wait. `pause` "
-                          "needs generator vllm; it collapsed the one GPU run measured (a warning says so)."},
+                          "(they end on the weights they started with); `pause` (experimental, warned once) freezes "
+                          "them on the vLLM server for the push (/pause) and lets them go on with the new weights, "
+                          "without the wait. `pause` needs generator vllm; it collapsed the one GPU run measured."},
     )
 
-    max_behaviour_kl: float | None = field(
-        default=None,
+    max_behaviour_kl: float = field(
+        default=0.01,
         metadata={"help": "With async_rollouts: skip the optimizer step of a step whose rollouts' behaviour gap "
                           "(async/behaviour_kl: log pi_behaviour - log pi_current per loss token, over all processes) "
                           "exceeds this in size, so the next step trains on rollouts of the current weights, as "
-                          "lock-step would; counted as async/skipped_divergent. None: never skip."},
+                          "lock-step would; counted as async/skipped_divergent. 0.01 kept three seeds on an H100 "
+                          "level with lock-step; off (said once) under DeepSpeed and without "
+                          "vllm_importance_sampling_correction, where it cannot skip or measure. 0: never skip."},
     )
 
     def __post_init__(self):
-        if self.max_behaviour_kl is not None and not self.max_behaviour_kl > 0:
-            raise ValueError(f"max_behaviour_kl={self.max_behaviour_kl}; expected a gap > 0 in nats a token, or None")
+        if not self.max_behaviour_kl >= 0:
+            raise ValueError(f"max_behaviour_kl={self.max_behaviour_kl}; expected a gap > 0 in nats a token, or 0 "
+                             "to never skip")
         if self.max_staleness < 1:
             raise ValueError(f"max_staleness={self.max_staleness}; expected >= 1 (0 is lock-step: set "
                              "async_rollouts false)")
@@ -139,29 +146,23 @@ class AsyncRolloutsConfig:
             raise ValueError(f"in_flight_rollouts={self.in_flight!r}; expected 'finish' or 'pause'")
 
 
-def check_recipe(args, deepspeed: bool) -> None:
-    """ValueError for a recipe the asynchronous mode cannot run as the module docstring says."""
+def check_recipe(args, deepspeed: bool) -> float | None:
+    """ValueError for a recipe the asynchronous mode cannot run as the module docstring says; the bound on the
+    behaviour gap the run applies (``max_behaviour_kl``; None where it is off or cannot run). Warns once that the
+    mode is experimental and warns when the bound is off where it could run, or cannot run where it is set."""
     AsyncRolloutsConfig(args.async_rollouts, args.max_staleness, args.in_flight_rollouts,
                         args.max_behaviour_kl)  # checks the knobs
-    if args.max_behaviour_kl is not None and deepspeed:
-        raise ValueError(f"max_behaviour_kl={args.max_behaviour_kl} under DeepSpeed: its engine steps the optimizer "
-                         "inside the last backward, where a step cannot be skipped from outside; unset it")
-    if args.max_behaviour_kl is not None and not args.vllm_importance_sampling_correction:
-        raise ValueError(f"max_behaviour_kl={args.max_behaviour_kl} with vllm_importance_sampling_correction=False: "
-                         "the behaviour gap it bounds is measured by the correction; turn it on or unset the bound")
+    warn_experimental("async_rollouts", "rollouts one step stale tipped two one-GPU runs over where lock-step "
+                      "recovered; max_behaviour_kl (0.01 by default) kept three seeds on an H100 level with lock-step "
+                      "(experiments/results/README.md, 'The bound on the GPU')")
     if args.in_flight_rollouts == "pause" and args.generator != "vllm":
         raise ValueError(f"in_flight_rollouts='pause' with generator={args.generator!r}: pausing rollouts for a push "
                          "is vLLM's (/pause on the server); use generator='vllm' or in_flight_rollouts='finish'")
-    if args.max_behaviour_kl is None and not deepspeed and args.vllm_importance_sampling_correction:
-        logger.warning("async_rollouts without max_behaviour_kl: two one-GPU asynchronous runs collapsed where their "
-                       "policy tipped (experiments/results/README.md, 'The update without checkpointing'); 0.01 "
-                       "kept three seeds on an H100 level with lock-step ('The bound on the GPU'). Set it unless you "
-                       "are measuring its absence")
     if args.in_flight_rollouts == "pause":
-        logger.warning("in_flight_rollouts='pause': in its one GPU run (H200, vLLM 0.26, 2026-12-05) the server and "
-                       "the trainer parted by 0.43 nats a token at step 13 (importance weight mean 1.8e-07) and it "
-                       "collapsed, where 'finish' ran sound; the cause is not found (experiments/results/README.md, "
-                       "'Alone on the GPU'). Use 'finish' unless you are investigating it")
+        warn_experimental("in_flight_rollouts='pause'", "in its one GPU run (H200, vLLM 0.26) the server and the "
+                          "trainer parted by 0.43 nats a token at step 13 (importance weight mean 1.8e-07) and it "
+                          "collapsed, where 'finish' ran sound; the cause is not found (experiments/results/README.md, "
+                          "'Alone on the GPU'). Use 'finish' unless you are investigating it")
     if args.loss_type not in LINEAR_IN_ADVANTAGE_LOSSES:
         raise ValueError(f"async_rollouts with loss_type={args.loss_type!r}: the staleness correction weights the "
                          "advantages, which equals weighting the loss only for "
@@ -179,6 +180,25 @@ def check_recipe(args, deepspeed: bool) -> None:
                          f"gradient_accumulation_steps and num_iterations == 1), got steps_per_generation="
                          f"{args.steps_per_generation}, gradient_accumulation_steps="
                          f"{args.gradient_accumulation_steps}, num_iterations={args.num_iterations}")
+    return _behaviour_bound(args, deepspeed)
+
+
+def _behaviour_bound(args, deepspeed: bool) -> float | None:
+    """``max_behaviour_kl`` where the bound can run, else None, saying why."""
+    runs = not deepspeed and args.vllm_importance_sampling_correction
+    if not args.max_behaviour_kl:
+        if runs:
+            logger.warning("async_rollouts with max_behaviour_kl 0: two one-GPU asynchronous runs collapsed where "
+                           "their policy tipped (experiments/results/README.md, 'The update without checkpointing'); "
+                           "0.01, the default, kept three seeds on an H100 level with lock-step ('The bound on the "
+                           "GPU'). Leave it at its default unless you are measuring its absence")
+        return None
+    if not runs:
+        why = ("DeepSpeed steps the optimizer inside the last backward, where a step cannot be skipped from outside"
+               if deepspeed else "vllm_importance_sampling_correction=False: the gap it bounds is not measured")
+        logger.warning("max_behaviour_kl=%g is off in this run: %s", args.max_behaviour_kl, why)
+        return None
+    return args.max_behaviour_kl
 
 
 class Lookahead:
