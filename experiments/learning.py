@@ -36,7 +36,7 @@ from pathlib import Path
 
 from searchr1_trl.assets.offline import MODEL, cache_dir
 from searchr1_trl.engine.parsing import response_parser, tool_call_end
-from searchr1_trl.engine.rollout import close_tool_call
+from searchr1_trl.engine.transcript import close_tool_call
 from searchr1_trl.tasks.search_r1.env import SEARCH_TOOL
 
 ROOT = Path(__file__).resolve().parent.parent

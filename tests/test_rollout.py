@@ -310,7 +310,8 @@ def test_a_search_the_rollouts_share_is_tokenized_once_and_read_alike(tokenizer)
     a, b = asyncio.run(engine.run(["a", "b"], SamplingParams()))
 
     # Two prompts, then one environment suffix for both (a GRPO group's rollouts mostly make the same search).
-    assert (engine._encode_text.cache_info().misses, engine._encode_text.cache_info().hits) == (2 + 1, 1)
+    cache = engine.transcript._encode_text.cache_info()
+    assert (cache.misses, cache.hits) == (2 + 1, 1)
     assert runs(a, 0)[0] == runs(b, 0)[0] and "result for x" in tokenizer.decode(runs(a, 0)[0])
     assert a.status is b.status is RolloutStatus.DONE and tokenizer.decode(runs(b, 1)[-1]) == "B<|im_end|>"
 
@@ -416,12 +417,13 @@ def test_env_tokens_and_prompts_are_the_whole_conversations_tokens(offline_asset
 
     for messages, env_messages, stop_token in STEPS:
         stop = tokenizer.convert_tokens_to_ids(stop_token)
-        before = engine.render(messages, add_generation_prompt=False)
-        whole = engine.render(messages + env_messages, add_generation_prompt=True)
+        before = engine.transcript.render(messages, add_generation_prompt=False)
+        whole = engine.transcript.render(messages + env_messages, add_generation_prompt=True)
         # After the model's stop token; a stop token the template does not write: from the template's own end on.
         end = stop if stop in before else tokenizer.eos_token_id
         cut = len(before) - before[::-1].index(end) - (0 if end == stop else 1)
 
-        assert engine._env_suffix(messages, env_messages, [11, stop]) == whole[cut:]
-        assert engine._initial_prompt(messages[:1]) == engine.render(messages[:1], add_generation_prompt=True)
-    assert engine._text_cut  # the tokens above came from tokenizing the environment's text alone
+        assert engine.transcript.env_suffix(messages, env_messages, [11, stop]) == whole[cut:]
+        first = messages[:1]
+        assert engine.transcript.prompt(first) == engine.transcript.render(first, add_generation_prompt=True)
+    assert engine.transcript._text_cut  # the tokens above came from tokenizing the environment's text alone

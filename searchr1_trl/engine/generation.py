@@ -14,8 +14,9 @@ logprobs of the distribution the tokens were actually drawn from. Logprobs are "
 temperature and top-p, which is what ``trl vllm-serve`` returns (it starts vLLM with
 ``--logprobs-mode processed_logprobs``). ``temperature == 0`` means greedy decoding with raw logprobs.
 
-A generation ends with ``finish_reason`` ``"stop"`` (the model emitted an end token, which is kept as the last
-generated id) or ``"length"`` (it used all ``max_tokens``). The end tokens are :func:`end_token_ids`: every eos the
+A generation ends with ``finish_reason`` ``"stop"`` (the model emitted an end token, or completed one of the turn's
+``stop`` strings; either is kept, as the last generated id or the token that completed the string) or ``"length"``
+(it used all ``max_tokens``). The end tokens are :func:`end_token_ids`: every eos the
 model's generation config names, the tokenizer's eos, and its pad token, in both backends (a model that writes one
 and goes on has left its answer: 7 of 700 greedy answers of a trained offline model held a literal
 ``<|endoftext|>`` followed by more text when only ``<|im_end|>`` stopped generation).
@@ -65,6 +66,9 @@ class SamplingParams:
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; 0 is greedy."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass; 1.0 samples the full distribution."})
     max_tokens: int = field(default=512, metadata={"help": "Generated tokens per assistant turn."})
+    stop: tuple[str, ...] = field(
+        default=(), metadata={"help": "Strings that end a turn besides the end tokens (a tag protocol's closing "
+                                      "tags)."})
 
     def __post_init__(self):
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
@@ -161,6 +165,8 @@ class VLLMServerGenerator(Generator):
             "skip_special_tokens": False,
             "stop_token_ids": self.stop_token_ids,
         }
+        if params.stop:  # vLLM keeps every token id; the string is kept in the text too, as the turn wrote it
+            payload.update(stop=list(params.stop), include_stop_str_in_output=True)
         url = f"{self.base_url}/v1/completions"
         async with slots:
             try:
@@ -289,7 +295,7 @@ class TransformersGenerator(Generator):
     def __init__(self, model, tokenizer, max_batch_size: int = TransformersGeneratorConfig.max_batch_size):
         if max_batch_size < 1:
             raise ValueError(f"expected max_batch_size >= 1, got {max_batch_size}")
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer
         self.max_batch_size = max_batch_size
         self.eos_token_ids = end_token_ids(tokenizer, model.generation_config)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
@@ -352,11 +358,13 @@ class TransformersGenerator(Generator):
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
             output_scores=True,
+            stop_strings=list(params.stop) or None,
         )
         device = self.model.device
         with torch.inference_mode(), eager_layers(self.model):
             output = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config,
+                tokenizer=self.tokenizer if params.stop else None,
             )
         new_tokens = output.sequences[:, width:].tolist()
         # `scores` are the logits after temperature/top-p (what the token was sampled from), one [batch, vocab] per
@@ -364,14 +372,32 @@ class TransformersGenerator(Generator):
         logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in output.scores], dim=1)
         chosen = logprobs.gather(-1, output.sequences[:, width:].unsqueeze(-1).to(logprobs.device)).squeeze(-1).tolist()
         rows = zip(batch, new_tokens, chosen, strict=True)
-        return [self._cut(r.params.max_tokens, tokens, lps) for r, tokens, lps in rows]
+        return [self._cut(r.params, tokens, lps) for r, tokens, lps in rows]
 
-    def _cut(self, max_tokens: int, tokens: list[int], logprobs: list[float]) -> Generation:
-        """One row of a batch: up to and including its first eos ("stop"), else its first ``max_tokens`` ("length")."""
-        for i, token in enumerate(tokens[:max_tokens]):
-            if token in self.eos_token_ids:
-                return Generation(tokens[: i + 1], logprobs[: i + 1], "stop")
-        return Generation(tokens[:max_tokens], logprobs[:max_tokens], "length")
+    def _cut(self, params: SamplingParams, tokens: list[int], logprobs: list[float]) -> Generation:
+        """One row of a batch: up to and including its first eos or the token completing its first ``stop`` string
+        ("stop"), else its first ``max_tokens`` ("length")."""
+        tokens = tokens[:params.max_tokens]
+        end = next((i + 1 for i, token in enumerate(tokens) if token in self.eos_token_ids), None)
+        end = self._stop_string_end(tokens[:end], params.stop) or end
+        if end is None:
+            return Generation(tokens, logprobs[:params.max_tokens], "length")
+        return Generation(tokens[:end], logprobs[:end], "stop")
+
+    def _stop_string_end(self, tokens: list[int], stop: tuple[str, ...]) -> int | None:
+        """The fewest of ``tokens`` whose text holds one of ``stop``; None when none does. A prefix's text only grows
+        with the prefix, so the search halves."""
+        def holds(n: int) -> bool:
+            text = self.tokenizer.decode(tokens[:n], skip_special_tokens=False)
+            return any(string in text for string in stop)
+
+        if not stop or not holds(len(tokens)):
+            return None
+        low, high = 1, len(tokens)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if holds(middle) else (middle + 1, high)
+        return low
 
     async def aclose(self) -> None:
         if self._worker is not None:

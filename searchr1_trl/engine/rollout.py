@@ -4,18 +4,11 @@ A task supplies an :class:`EnvFactory`: the tools, and a new :class:`MessageEnv`
 :meth:`~MessageEnv.reset` starts on that rollout's sample (its initial messages) and whose ``step`` answers the latest
 assistant message. Per-sample state (the question, anything a tool needs of it) lives on that env, never in prompt
 text; TRL 1.16's ``environment_factory`` has the same shape (one instance per rollout, ``reset(**row)``). The
-:class:`RolloutEngine` owns everything else. One turn: generate from token ids -> parse the assistant message
-(:mod:`searchr1_trl.engine.parsing`) -> ``env.step`` -> append the environment's messages as tokens -> next turn.
-
-Token-in/token-out. A rollout's sequence is ``prompt_ids`` followed by ``completion_ids``: the model's generated ids,
-exactly as returned, interleaved with the environment's messages rendered as tokens. Earlier turns are never
-re-tokenized, so the sequence is exactly what the model saw in its last turn (plus that turn's output). An
-environment suffix is the chat template's rendering of the conversation with the new environment messages and the
-next generation prompt, minus its rendering without them, cut just after the token that ended the model's turn: the
-template glue after the model's end-of-turn token (Qwen's "\n" after ``<|im_end|>``), the tool-turn wrappers and the
-next assistant header are environment tokens (``env_mask`` 0), the model's own end-of-turn token is a model token
-(``env_mask`` 1). Templates that do not render earlier messages identically when messages follow (Qwen3 drops old
-reasoning) are replaced by TRL's prefix-preserving training template, as ``GRPOTrainer`` does.
+:class:`RolloutEngine` owns everything else. One turn: generate from token ids -> parse the assistant message ->
+``env.step`` -> append the environment's messages as tokens -> next turn. How messages become tokens and a turn
+becomes a message is the factory's :class:`~searchr1_trl.engine.transcript.Transcript` (the chat template and tool
+calls by default; a text the model continues, for tag protocols): token-in/token-out either way, earlier turns are
+never re-tokenized and environment tokens have ``env_mask`` 0.
 
 Budgets, checked in this order every turn, decide how a rollout ends (:class:`RolloutStatus`):
 
@@ -44,13 +37,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
-import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from searchr1_trl.engine.generation import Generation, Generator, SamplingParams
-from searchr1_trl.engine.parsing import response_parser, tool_call_end
+from searchr1_trl.engine.transcript import ChatTranscript, Transcript
 
 
 class RolloutStatus(str, enum.Enum):
@@ -114,6 +106,12 @@ class EnvFactory(abc.ABC):
     def metrics(self) -> dict[str, float]:
         """Counters of every environment built, since the last call; reset on read."""
         return {}
+
+    def transcript(self, tokenizer, config: RolloutConfig) -> Transcript:
+        """How these environments' rollouts read as tokens: the chat template with :attr:`tools` by default."""
+        return ChatTranscript(tokenizer, self.tools, enable_thinking=config.enable_thinking,
+                              bare_json_tool_calls=config.bare_json_tool_calls,
+                              repair_tool_calls=config.repair_tool_calls)
 
     async def aclose(self) -> None:  # noqa: B027 (a task that shares nothing has nothing to close)
         """Close what the environments share."""
@@ -210,15 +208,7 @@ class RolloutEngine:
         self.generator = generator
         self.envs = envs
         self.config = config or RolloutConfig()
-        self._chat_template = _prefix_preserving_chat_template(tokenizer)
-        self._parse = response_parser(tokenizer, envs.tools, bare_json_tool_calls=self.config.bare_json_tool_calls,
-                                      repair_tool_calls=self.config.repair_tool_calls)
-        self._split_at = _split_tokens(tokenizer)
-        self._text_cut = _tokenizes_alone(tokenizer, self._split_at)
-        # Texts recur across a GRPO group: its rollouts start from one prompt, and most make the same search, so
-        # their environment suffixes (passages and template glue) are one text too.
-        self._encode_text = functools.lru_cache(maxsize=1024)(
-            lambda text: tuple(tokenizer.encode(text, add_special_tokens=False)))
+        self.transcript = envs.transcript(tokenizer, self.config)
 
     async def run(self, samples: list, params: SamplingParams) -> list[Rollout]:
         """Roll out every sample concurrently; results in input order.
@@ -235,7 +225,7 @@ class RolloutEngine:
         env = self.envs()
         initial = env.reset(sample)
         messages = list(initial if messages is None else messages)
-        prompt_ids = self._initial_prompt(messages)
+        prompt_ids = self.transcript.prompt(messages)
         completion_ids: list[int] = []
         env_mask: list[int] = []
         logprobs: list[float] = []
@@ -244,16 +234,16 @@ class RolloutEngine:
         while status is None:
             sequence = prompt_ids + completion_ids
             clock = time.perf_counter()
-            turn = params.with_max_tokens(min(params.max_tokens, self._room(sequence)))
+            turn = replace(params, max_tokens=min(params.max_tokens, self._room(sequence)), stop=self.transcript.stop)
             generation = await self.generator.generate(sequence, turn)
             timings["generate_s"] += time.perf_counter() - clock
             _check_generation(generation)
             num_turns += 1
             turn_ids, kept = generation.token_ids, len(generation.token_ids)
-            message = None if generation.finish_reason == "length" else self._parse(turn_ids, sequence)
+            message = None if generation.finish_reason == "length" else self.transcript.parse(turn_ids, sequence)
             if message is None and generation.finish_reason == "stop" and self.config.close_tool_calls:
-                closed = close_tool_call(self.tokenizer, generation.token_ids)
-                if closed is not None and (message := self._parse(closed[0], sequence)) is not None:
+                closed = self.transcript.close(generation.token_ids)
+                if closed is not None and (message := self.transcript.parse(closed[0], sequence)) is not None:
                     (turn_ids, kept), closed_turns = closed, closed_turns + 1
             completion_ids += turn_ids
             env_mask += [1] * kept + [0] * (len(turn_ids) - kept)
@@ -285,7 +275,7 @@ class RolloutEngine:
             elif num_turns >= self.config.max_turns:
                 status = RolloutStatus.TRUNCATED_MAX_TURNS
             else:
-                suffix = self._env_suffix(messages, step.messages, turn_ids)
+                suffix = self.transcript.env_suffix(messages, step.messages, turn_ids)
                 if not self._room(prompt_ids + completion_ids + suffix):
                     status = RolloutStatus.TRUNCATED_PROMPT_TOO_LONG
                 else:
@@ -306,123 +296,8 @@ class RolloutEngine:
         """How many tokens may still be generated after ``sequence``; 0 means the prompt is too long."""
         return max(0, self.config.max_rollout_tokens - len(sequence))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Token ids of ``messages`` under the chat template, with the env's tools and the thinking switch."""
-        return self.tokenizer.encode(self._render_text(messages, add_generation_prompt), add_special_tokens=False)
-
-    def _render_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """:meth:`render` before tokenization (the chat template's text; its special tokens are in it already)."""
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.envs.tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
-            chat_template=self._chat_template, enable_thinking=self.config.enable_thinking,
-        )
-
-    def _initial_prompt(self, messages: list[dict]) -> list[int]:
-        """``render(messages, add_generation_prompt=True)``, its text tokenized once: the rollouts of a GRPO group
-        start from one prompt."""
-        return list(self._encode_text(self._render_text(messages, add_generation_prompt=True)))
-
-    def _env_suffix(self, messages: list[dict], env_messages: list[dict], generated_ids: list[int]) -> list[int]:
-        """Tokens to append after the model's turn: template glue, ``env_messages`` and the next generation prompt.
-
-        The cut is just after the token that ended the model's turn in the template's rendering (Qwen:
-        ``...<|im_end|>`` | ``\n<|im_start|>user\n<tool_response>...<|im_start|>assistant\n``). If the model
-        stopped on a token the template does not end turns with, the template's own end-of-turn token is appended as
-        glue, so the next turn still sees a well-formed conversation.
-
-        Only the text after the cut is tokenized when that gives the very tokens of the whole rendering (the cut
-        falls at an added token, which the tokenizer splits the text at, and :func:`_tokenizes_alone` holds):
-        tokenizing the whole conversation, passages included, twice per environment step was half of the engine's
-        CPU time per rollout-turn (``experiments/engine_overhead.py``).
-        """
-        stop, eos = generated_ids[-1], self.tokenizer.eos_token_id
-        stop_text, eos_text = self._split_at.get(stop), self._split_at.get(eos)
-        if self._text_cut and stop_text is not None and (eos is None or eos_text is not None):
-            before = self._render_text(messages, add_generation_prompt=False)
-            after = self._render_text(messages + env_messages, add_generation_prompt=True)
-            return list(self._encode_text(_after_turn(before, after, stop_text, eos_text)))
-        before = self.render(messages, add_generation_prompt=False)
-        after = self.render(messages + env_messages, add_generation_prompt=True)
-        return _after_turn(before, after, stop, eos)
-
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-
-def close_tool_call(tokenizer, token_ids: list[int]) -> tuple[list[int], int] | None:
-    """``(turn, kept)`` for a turn whose tool call is whole but not closed right after its JSON
-    (:func:`~searchr1_trl.engine.parsing.tool_call_end`): the first ``kept`` of ``token_ids`` (up to the token that
-    completes the JSON), then ``</tool_call>`` and the turn's own end token; None when the turn has no such call, or
-    the token completing the JSON carries more than whitespace."""
-    text = tokenizer.decode(token_ids, skip_special_tokens=False)
-    if (end := tool_call_end(text)) is None:
-        return None
-    for kept in range(1, len(token_ids)):
-        prefix = tokenizer.decode(token_ids[:kept], skip_special_tokens=False)
-        if len(prefix) >= end:
-            break
-    else:
-        return None
-    if prefix[:end] != text[:end] or prefix[end:].strip():
-        return None
-    closing = tokenizer.encode(("" if prefix.endswith("\n") else "\n") + "</tool_call>", add_special_tokens=False)
-    return token_ids[:kept] + closing + token_ids[-1:], kept
-
-
-def _after_turn(before, after, stop, end_of_turn):
-    """``after`` from just past the model's turn in ``before``: after the last ``stop`` in ``before``, else from its
-    last ``end_of_turn`` on. Works on token lists (``stop``, ``end_of_turn``: ids) and on rendered text (their
-    strings) alike; ValueError when neither is in ``before`` or ``after`` does not start like ``before``."""
-    if (at := _rfind(before, stop)) >= 0:
-        cut = at + (len(stop) if isinstance(stop, str) else 1)
-    elif (at := _rfind(before, end_of_turn)) >= 0:
-        cut = at
-    else:
-        raise ValueError(
-            f"cannot find the end of the assistant turn: neither the model's stop token {stop!r} nor the "
-            f"tokenizer's eos token {end_of_turn!r} appears in the rendered conversation"
-        )
-    if after[:cut] != before[:cut]:
-        raise ValueError(
-            "the chat template renders the conversation differently once environment messages follow, so the "
-            "environment's tokens cannot be appended without re-tokenizing earlier turns"
-        )
-    return after[cut:]
-
-
-def _rfind(sequence: str | list[int], item: str | int | None) -> int:
-    """Index of the last ``item`` in ``sequence`` (a substring of a str, an element of a list); -1 if none."""
-    if item is None:
-        return -1
-    if isinstance(sequence, str):
-        return sequence.rfind(item)
-    return len(sequence) - 1 - sequence[::-1].index(item) if item in sequence else -1
-
-
-def _split_tokens(tokenizer) -> dict[int, str]:
-    """``{id: text}`` of the added tokens the tokenizer cuts the text at exactly, so that the text on either side is
-    tokenized on its own (no stripping of neighbouring spaces, no whole-word or normalised matching)."""
-    return {
-        i: token.content for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
-        if not (token.lstrip or token.rstrip or token.single_word or token.normalized)
-    }
-
-
-def _tokenizes_alone(tokenizer, split_at: dict[int, str]) -> bool:
-    """Whether a text that starts right after an added token gets the same tokens alone as within a longer text.
-
-    True for Qwen's byte-level BPE; false for a tokenizer that adds a space to the start of a text (e.g.
-    SentencePiece's ``prepend_scheme="first"``), for which the engine tokenizes whole conversations instead.
-    """
-    if tokenizer.eos_token_id not in split_at or not getattr(tokenizer, "is_fast", False):
-        return False
-    eos = split_at[tokenizer.eos_token_id]
-    for text in (" Doc 1(Title: Paris) A city.\n", "\n\nDoc", "Hello world", "\u00e9t\u00e9 \u6587"):
-        whole = tokenizer.encode(f"a b{eos}{text}", add_special_tokens=False)
-        alone = tokenizer.encode(text, add_special_tokens=False)
-        if whole[_rfind(whole, tokenizer.eos_token_id) + 1:] != alone:
-            return False
-    return True
 
 
 def _check_generation(generation: Generation) -> None:
@@ -432,13 +307,3 @@ def _check_generation(generation: Generation) -> None:
             f"a generator must return at least one token and one logprob per token, got "
             f"{len(generation.token_ids)} tokens and {len(generation.logprobs)} logprobs"
         )
-
-
-def _prefix_preserving_chat_template(tokenizer) -> str | None:
-    """None to use the tokenizer's chat template, or TRL's training variant when that one is not prefix-preserving."""
-    # Imported here: every task module imports this file's contract types, and TRL takes seconds to import.
-    from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
-
-    if is_chat_template_prefix_preserving(tokenizer):
-        return None
-    return get_training_chat_template(tokenizer)

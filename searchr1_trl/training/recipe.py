@@ -91,7 +91,8 @@ PARTS: dict[str, Any] = {
 WIRED: dict[str, dict[str, str]] = {
     "train_stream": {"shuffle": "training always draws a fresh permutation per epoch"},
     "eval_stream": {"seed": "eval_sample_seed", "shuffle": "eval_sample_seed is set"},
-    "sampling": {"temperature": "GRPOConfig's temperature", "top_p": "GRPOConfig's top_p"},
+    "sampling": {"temperature": "GRPOConfig's temperature", "top_p": "GRPOConfig's top_p",
+                 "stop": "the task's transcript (a tag protocol's closing tags)"},
 }
 
 _KNOB_FIELDS: dict[Field, tuple[str, str]] = {}

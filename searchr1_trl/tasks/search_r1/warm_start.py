@@ -42,8 +42,8 @@ class ScriptedTurns(Generator):
 def assistant_turn_ids(engine: RolloutEngine, messages: list[dict], turn: dict, end_ids: set[int]) -> list[int]:
     """The ids the chat template gives the assistant message ``turn`` after ``messages``, up to and including its
     end-of-turn token: what the model would generate to produce that message."""
-    before = engine.render(messages, add_generation_prompt=True)
-    after = engine.render([*messages, turn], add_generation_prompt=False)
+    before = engine.transcript.render(messages, add_generation_prompt=True)
+    after = engine.transcript.render([*messages, turn], add_generation_prompt=False)
     if after[: len(before)] != before:
         raise ValueError("the chat template renders an assistant turn differently from its generation prompt")
     rest = after[len(before):]
@@ -100,7 +100,7 @@ async def scripted_trace(tokenizer, envs, config, sample, end_ids: set[int], sec
     def answer_or_search_again(sequence: list[int]) -> list[int]:
         nonlocal first_result_end
         first_result_end = len(sequence)
-        hits = found(sequence[len(engine.render(messages, add_generation_prompt=True)):])
+        hits = found(sequence[len(engine.transcript.render(messages, add_generation_prompt=True)):])
         if second_search and not hits and keywords not in ("", sample.question):
             return assistant_turn_ids(engine, [*messages, first, tool], again, end_ids)
         return reply(hits, [first, tool])
