@@ -25,11 +25,9 @@ from transformers import TrainerCallback
 
 from searchr1_trl.serving.vllm_server import reload_weights
 from searchr1_trl.training.callbacks import DivergentStepGuard
-from searchr1_trl.training.experimental.async_rollouts import (
+from searchr1_trl.training.experimental.async_rollouts import Lookahead, RolloutPipeline, check_recipe
+from searchr1_trl.training.experimental.staleness import (
     WEIGHTS,
-    Lookahead,
-    RolloutPipeline,
-    check_recipe,
     fold_into_advantages,
     importance_weights,
     log_behaviour,
@@ -37,7 +35,8 @@ from searchr1_trl.training.experimental.async_rollouts import (
     weight_by_behaviour,
 )
 from searchr1_trl.training.recipe import build_task
-from searchr1_trl.training.trainer import STREAM_STATE_FILE, SearchR1Trainer
+from searchr1_trl.training.resume import STREAM_STATE_FILE
+from searchr1_trl.training.trainer import SearchR1Trainer
 from searchr1_trl.training.update import loss_mask
 
 
@@ -311,7 +310,7 @@ def test_a_step_is_weighted_in_its_loss_forward_as_by_a_forward_of_its_own(tiny_
     trainer._metrics["train"].clear()
     forwards = []
     hook = trainer.model.register_forward_hook(lambda *_: forwards.append(1))
-    step = trainer._weight_stale_rollouts(dict(batch))
+    step = trainer.correction.weigh(dict(batch))
     hook.remove()
     assert not forwards and step["advantages"].dim() == 1  # no forward of its own; nothing folded yet
     halves = [{key: value if key == "num_items_in_batch" else value[rows] for key, value in step.items()}
@@ -324,7 +323,7 @@ def test_a_step_is_weighted_in_its_loss_forward_as_by_a_forward_of_its_own(tiny_
         torch.testing.assert_close(first_grads[name] + second_grads[name], expected_grads[name])
     for key in ASYNC_METRICS:
         assert trainer._metrics["train"][key] == [pytest.approx(metrics[key][0])], key
-    assert trainer._in_loss_weights is None and metrics["async/importance_weight_mean"][0] != 1.0
+    assert trainer.correction.in_loss is None and metrics["async/importance_weight_mean"][0] != 1.0
 
 
 @pytest.mark.parametrize("padding_free", [False, True])

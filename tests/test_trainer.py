@@ -21,7 +21,8 @@ from searchr1_trl.serving.weight_sync import save_for_reload, weight_push
 from searchr1_trl.tasks.common.data import SearchR1Dataset
 from searchr1_trl.training.as_trained import RECIPE_FILE, policy_as_trained
 from searchr1_trl.training.recipe import build_task, part_config
-from searchr1_trl.training.trainer import STREAM_STATE_FILE, SearchR1Config, SearchR1Trainer
+from searchr1_trl.training.resume import STREAM_STATE_FILE
+from searchr1_trl.training.trainer import SearchR1Config, SearchR1Trainer
 
 # ---- the whole stack -------------------------------------------------------------------------------------------
 
@@ -444,14 +445,15 @@ def test_refused_training_turns_are_kept_with_their_text_and_closed_calls_counte
 def test_training_stops_in_one_line_when_more_than_the_allowed_fraction_of_a_steps_searches_fail():
     from types import SimpleNamespace
 
-    from searchr1_trl.training.trainer import SearchOutage
+    from searchr1_trl.training.records import SearchOutage, stop_on_search_outage
 
-    trainer = SimpleNamespace(args=SimpleNamespace(max_failed_search_fraction=0.5, search_url="http://r:8000/retrieve"),
-                              state=SimpleNamespace(global_step=6))
-    SearchR1Trainer._stop_on_search_outage(trainer, 4, 8)  # half failed: allowed
-    SearchR1Trainer._stop_on_search_outage(trainer, 0, 0)  # a step without searches
+    args = SimpleNamespace(max_failed_search_fraction=0.5, search_url="http://r:8000/retrieve")
+    searched = {"search/failures": 4, "search/searches": 8}
+    stop_on_search_outage(searched, 6, args)  # half failed: allowed
+    stop_on_search_outage({"search/failures": 0, "search/searches": 0}, 6, args)  # a step without searches
+    stop_on_search_outage({"rollout/time_s": 1.0}, 6, args)  # a task that does not search
     with pytest.raises(SearchOutage) as stop:
-        SearchR1Trainer._stop_on_search_outage(trainer, 5, 8)
+        stop_on_search_outage({**searched, "search/failures": 5}, 6, args)
     assert str(stop.value).startswith("5 of 8 searches of step 7 failed, more than max_failed_search_fraction=0.5: "
                                       "the retriever at http://r:8000/retrieve does not answer")
     assert "\n" not in str(stop.value)

@@ -59,7 +59,8 @@ def train(args, model_args) -> None:
     from trl import get_peft_config
 
     from searchr1_trl.training.recipe import build_task
-    from searchr1_trl.training.trainer import SearchOutage, SearchR1Trainer
+    from searchr1_trl.training.records import SearchOutage
+    from searchr1_trl.training.trainer import SearchR1Trainer
     from searchr1_trl.training.warm_start import warm_start
 
     args.model_init_kwargs = {

@@ -54,7 +54,8 @@ from searchr1_trl.tasks.common.data import SearchR1Dataset, SearchR1DatasetConfi
 from searchr1_trl.tasks.common.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
 from searchr1_trl.tasks.common.search import SearchR1EnvConfig
 from searchr1_trl.training.callbacks import KEEP_METRIC, CollapseGuardConfig
-from searchr1_trl.training.experimental.async_rollouts import IMPORTANCE_SAMPLING_MODES, AsyncRolloutsConfig
+from searchr1_trl.training.experimental.async_rollouts import AsyncRolloutsConfig
+from searchr1_trl.training.experimental.staleness import IMPORTANCE_SAMPLING_MODES
 from searchr1_trl.training.warm_start import WarmStartConfig
 
 logger = logging.getLogger(__name__)

@@ -171,6 +171,38 @@ def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return outputs
 
 
+def packed_logps_and_entropies(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                               batch_size: int | None, compute_entropy: bool, compute_aux_loss: bool, autocast,
+                               positions: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                               one_graph: bool = False, **multimodal):
+    """TRL's ``(log-probs, entropies, aux loss)`` of ``_get_per_token_logps_and_entropies``, each chunk of
+    ``batch_size`` rows packed (:func:`packed_forward`). ``positions``: the loss's ``(scored, old log-probs)``, so the
+    LM head scores only those; a skipped position takes its old log-prob where there is one, so its ratio is 1 (as
+    TRL's on-policy case) and none overflows before the mask."""
+    given = sorted(name for name, value in multimodal.items() if value is not None)
+    if given:
+        raise ValueError(f"padding_free=True packs text rollouts only; this batch has {', '.join(given)}")
+    batch_size = batch_size or input_ids.size(0)
+    scored, old = positions or (None, None)
+    if scored is not None and scored.shape != (input_ids.size(0), logits_to_keep):
+        raise ValueError(f"loss positions {tuple(scored.shape)} do not match the batch's "
+                         f"{(input_ids.size(0), logits_to_keep)} completion positions")
+    logps, entropies, aux_losses = [], [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        rows = slice(start, start + batch_size)
+        outputs = packed_forward(
+            model, input_ids[rows], attention_mask[rows], logits_to_keep, autocast,
+            scored_columns=None if scored is None else scored[rows], one_graph=one_graph,
+            **({"output_router_logits": True} if compute_aux_loss else {}))
+        if scored is not None and old is not None:
+            outputs.log_probs = torch.where(scored[rows], outputs.log_probs, old[rows].to(outputs.log_probs))
+        logps.append(outputs.log_probs)
+        entropies.append(outputs.entropy)
+        aux_losses.append(outputs.aux_loss)
+    return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None,
+            torch.stack(aux_losses).mean() if compute_aux_loss else None)
+
+
 def compile_decoder_layers(model: torch.nn.Module) -> int:
     """``torch.compile`` every decoder layer of ``model`` (a transformers model, PEFT-wrapped or not) in place; returns
     how many. Decoder layers are transformers' ``GradientCheckpointingLayer`` modules, which every decoder model's

@@ -7,7 +7,7 @@ a task's own factory only says how a call is written and how the rollout's messa
 ``topk`` passages, one per line: ``Doc 1(Title: <title>) <text>``; with ``restate_question`` they are followed by
 :data:`RESTATEMENT` (the answer format and the question again), for small models that lose the question behind long
 passages (Qwen2.5-Coder-0.5B, greedy, right after one search: EM 0/24 without it, 2/24 with it, 12/24 with the same
-passages pasted into the prompt; ``benchmarks/probes/answer_formats.py``). With ``exclude_seen_passages`` a search
+passages pasted into the prompt; ``experiments/probes/answer_formats.py``). With ``exclude_seen_passages`` a search
 skips the passages its rollout was already shown, so searching again reads the next ones.
 
 A search the retriever did not answer, all retries spent, is an outage, not "no hits": when every search of a step

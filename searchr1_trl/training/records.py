@@ -1,0 +1,82 @@
+"""What a training run writes down of its rollouts: each step's rollout metrics, the training turns the parser
+refused (``parse_failures.jsonl``), each validation's rollouts whole (``validation_traces/step-<step>.jsonl``), and
+the stop when the retriever does not answer (:class:`SearchOutage`).
+
+Under several processes each writes what it generated to its own file (:func:`process_file`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+from accelerate.utils import gather_object
+
+from searchr1_trl.engine.rollout import Rollout, RolloutStatus
+from searchr1_trl.training.resume import write_atomically
+
+
+class SearchOutage(RuntimeError):
+    """More of a step's searches failed than the recipe allows (``max_failed_search_fraction``)."""
+
+
+def log_rollouts(metrics: dict[str, list[float]], rollouts: list[Rollout], seconds: float,
+                 env_metrics: dict[str, float]) -> None:
+    """A step's rollout metrics (``rollout/*``: how they ended, tool calls, turns, tokens, time) and its environments'
+    counters, appended to the trainer's per-mode ``metrics``."""
+    statuses = Counter(r.status for r in rollouts)
+    for status in RolloutStatus:
+        metrics[f"rollout/status_{status.value}"].append(statuses[status] / len(rollouts))
+    metrics["rollout/searches_per_rollout"].append(sum(r.num_tool_calls for r in rollouts) / len(rollouts))
+    metrics["rollout/turns_per_rollout"].append(sum(r.num_turns for r in rollouts) / len(rollouts))
+    metrics["rollout/closed_turns_per_rollout"].append(sum(r.closed_turns for r in rollouts) / len(rollouts))
+    metrics["rollout/generated_tokens"].append(sum(sum(r.env_mask) for r in rollouts))
+    metrics["rollout/time_s"].append(seconds)
+    for key, value in env_metrics.items():
+        metrics[key].append(value)
+
+
+def stop_on_search_outage(env_metrics: dict[str, float], step: int, args) -> None:
+    """:class:`SearchOutage` when more than ``max_failed_search_fraction`` of this step's searches, over every
+    process (each sees the same count, so all stop together), failed with every retry spent; a task that does not
+    search has nothing to fail."""
+    if "search/searches" not in env_metrics:
+        return
+    pairs = gather_object([(env_metrics["search/failures"], env_metrics["search/searches"])])
+    failures, searches = map(sum, zip(*pairs, strict=True))
+    if searches and failures / searches > args.max_failed_search_fraction:
+        raise SearchOutage(
+            f"{failures:.0f} of {searches:.0f} searches of step {step + 1} failed, more than "
+            f"max_failed_search_fraction={args.max_failed_search_fraction}: the retriever at "
+            f"{args.search_url} does not answer; training stopped (resume from the last checkpoint once it "
+            "serves again)")
+
+
+def process_file(output_dir: str, accelerator, name: str) -> Path:
+    """``output_dir/name``, suffixed ``-rank<i>`` under several processes: each writes what it generated."""
+    path = Path(output_dir) / name
+    if accelerator.num_processes > 1:
+        path = path.with_name(f"{path.stem}-rank{accelerator.process_index}{path.suffix}")
+    return path
+
+
+def append_parse_failures(path: Path, step: int, failed: list[Rollout]) -> None:
+    """Append unparsed training turns to ``path``: the rates say how often the parser refuses a turn, only the
+    texts say which slip it was."""
+    if not failed:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for rollout in failed:
+            f.write(json.dumps({"step": step, "question": rollout.sample.question,
+                                "turn": rollout.num_turns, "text": rollout.messages[-1].get("content")}) + "\n")
+
+
+def write_validation_traces(path: Path, step: int, named: list) -> None:
+    """A validation's rollouts, whole, one JSON line each (``named``: ``(sample name, Trace)``): the only record of
+    what the policy wrote when validation EM fell (a guard stop keeps the best checkpoint, not the one that
+    collapsed)."""
+    write_atomically(path, "".join(json.dumps({"sample": name, "step": step, **asdict(trace)}) + "\n"
+                                   for name, trace in named))
