@@ -34,7 +34,8 @@ from experiments.report import report
 from experiments.zero3_update import matmul_tflops, synthetic_rollouts
 from searchr1_trl.assets.offline import require
 from searchr1_trl.assets.shapes import random_model
-from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator
+from searchr1_trl.engine.generation import SamplingParams
+from searchr1_trl.engine.in_process import TransformersGenerator
 from searchr1_trl.training.trainer import SearchR1Config, SearchR1Trainer
 
 

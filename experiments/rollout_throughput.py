@@ -57,11 +57,8 @@ from experiments.report import report
 from retriever_server.launch import RetrieverProcess
 from retriever_server.metrics import parse_prometheus
 from searchr1_trl.assets.offline import require
-from searchr1_trl.engine.generation import (
-    SamplingParams,
-    TransformersGenerator,
-    VLLMServerGenerator,
-)
+from searchr1_trl.engine.generation import SamplingParams, VLLMServerGenerator
+from searchr1_trl.engine.in_process import TransformersGenerator
 from searchr1_trl.engine.parsing import response_parser
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
 from searchr1_trl.serving.processes import free_port

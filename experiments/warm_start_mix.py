@@ -16,7 +16,8 @@ import argparse
 from transformers import AutoTokenizer
 
 from experiments.report import report
-from searchr1_trl.training.recipe import build_task, load_recipe
+from searchr1_trl.training.loading import load_recipe
+from searchr1_trl.training.parts import build_task
 from searchr1_trl.training.warm_start import scripted_warm_start_traces
 
 

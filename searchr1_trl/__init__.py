@@ -27,11 +27,11 @@ _EXPORTS = {
     "RolloutConfig": "engine.rollout", "RolloutEngine": "engine.rollout", "RolloutStatus": "engine.rollout",
     "response_parser": "engine.parsing",
     "Generation": "engine.generation", "Generator": "engine.generation", "SamplingParams": "engine.generation",
-    "TransformersGenerator": "engine.generation", "VLLMServerGenerator": "engine.generation",
+    "TransformersGenerator": "engine.in_process", "VLLMServerGenerator": "engine.generation",
     "RewardExactMatch": "tasks.common.rubric", "RewardExactMatchConfig": "tasks.common.rubric",
     "Rubric": "tasks.common.rubric", "RubricConfig": "tasks.common.rubric",
-    "SearchR1Config": "training.recipe", "TaskParts": "training.recipe", "build_task": "training.recipe",
-    "load_recipe": "training.recipe",
+    "SearchR1Config": "training.recipe", "TaskParts": "training.parts", "build_task": "training.parts",
+    "load_recipe": "training.loading",
     "SearchR1Trainer": "training.trainer",
 }
 

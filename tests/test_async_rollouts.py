@@ -34,7 +34,7 @@ from searchr1_trl.training.experimental.staleness import (
     log_staleness,
     weight_by_behaviour,
 )
-from searchr1_trl.training.recipe import build_task
+from searchr1_trl.training.parts import build_task
 from searchr1_trl.training.resume import STREAM_STATE_FILE
 from searchr1_trl.training.trainer import SearchR1Trainer
 from searchr1_trl.training.update import loss_mask

@@ -12,7 +12,7 @@ from transformers import TrainerControl, TrainerState
 
 from searchr1_trl.training import evaluation
 from searchr1_trl.training.callbacks import KEEP_METRIC, CollapseGuard, CollapseGuardConfig, em_noise
-from searchr1_trl.training.recipe import build_task
+from searchr1_trl.training.parts import build_task
 from searchr1_trl.training.trainer import SearchR1Trainer
 from tests.test_trainer import model_text_reward, small_config
 

@@ -57,7 +57,8 @@ def test_the_sample_is_seeded_random_across_articles_and_a_larger_one_extends_a_
 
 
 def test_the_500_question_sample_of_seed_0_is_the_offline_gpu_recipes_validation_sample(offline_assets):
-    from searchr1_trl.training.recipe import build_task, load_recipe
+    from searchr1_trl.training.loading import load_recipe
+    from searchr1_trl.training.parts import build_task
 
     args, _ = load_recipe(["--config", "offline_gpu", "--use_cpu", "true", "--eval_data_path",
                            offline_assets.test_questions])

@@ -13,7 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator, VLLMServerGenerator, end_token_ids
+from searchr1_trl.engine.generation import SamplingParams, VLLMServerGenerator, end_token_ids
+from searchr1_trl.engine.in_process import TransformersGenerator
 from searchr1_trl.serving.processes import free_port
 from tests.conftest import serve_fake
 

@@ -20,7 +20,7 @@ from searchr1_trl.serving.vllm_server import reload_weights
 from searchr1_trl.serving.weight_sync import save_for_reload, weight_push
 from searchr1_trl.tasks.common.data import SearchR1Dataset
 from searchr1_trl.training.as_trained import RECIPE_FILE, policy_as_trained
-from searchr1_trl.training.recipe import build_task, part_config
+from searchr1_trl.training.parts import build_task, part_config
 from searchr1_trl.training.resume import STREAM_STATE_FILE
 from searchr1_trl.training.trainer import SearchR1Config, SearchR1Trainer
 
@@ -262,7 +262,7 @@ def test_the_lora_cpu_recipe_pushes_merged_weights_that_the_server_then_samples_
         offline_assets, vllm_server, retriever_url, questions_file, tmp_path, tokenizer):
     from trl import get_peft_config
 
-    from searchr1_trl.training.recipe import load_recipe
+    from searchr1_trl.training.loading import load_recipe
 
     recipe, model_args = load_recipe(["--config", "offline"])
     assert model_args.use_peft and not recipe.activation_checkpointing

@@ -115,7 +115,8 @@ def test_in_process_generation_runs_compiled_layers_eager_and_leaves_them_compil
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator
+    from searchr1_trl.engine.generation import SamplingParams
+    from searchr1_trl.engine.in_process import TransformersGenerator
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     eager, compiled = (AutoModelForCausalLM.from_pretrained(tiny_model_dir) for _ in range(2))

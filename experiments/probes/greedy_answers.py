@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets.offline import require
-from searchr1_trl.engine.generation import SamplingParams, TransformersGenerator
+from searchr1_trl.engine.generation import SamplingParams
+from searchr1_trl.engine.in_process import TransformersGenerator
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutEngine
 from searchr1_trl.tasks.common.data import SearchR1Sample
 from searchr1_trl.tasks.common.search import SearchR1EnvConfig

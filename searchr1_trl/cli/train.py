@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from searchr1_trl.training.checkpoints import CheckpointSaveError, OutputDirLock, resume_checkpoint
+from searchr1_trl.training.loading import load_recipe, recipe_path, recipe_values
 from searchr1_trl.training.plan import PlanError, check_machine, validate_plan
-from searchr1_trl.training.recipe import load_recipe, recipe_path, recipe_values
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def train(args, model_args) -> None:
     push to the Hub when asked, write the trace report (``trace_report``)."""
     from trl import get_peft_config
 
-    from searchr1_trl.training.recipe import build_task
+    from searchr1_trl.training.parts import build_task
     from searchr1_trl.training.records import SearchOutage
     from searchr1_trl.training.trainer import SearchR1Trainer
     from searchr1_trl.training.warm_start import warm_start

@@ -5,8 +5,9 @@ The rollout engine only ever talks to :class:`Generator`, so a backend is chosen
 - :class:`VLLMServerGenerator` (the main path) posts token-id prompts to a ``trl vllm-serve`` / ``vllm serve``
   OpenAI-compatible server. Every call is its own HTTP request, so as many requests are in flight as rollouts are
   waiting for a turn and vLLM's continuous batching packs them together.
-- :class:`TransformersGenerator` runs the model in-process: the calls issued in the same event-loop instant become
-  one left-padded ``model.generate`` run in a worker thread (for GPUs without vLLM and small runs).
+- :class:`~searchr1_trl.engine.in_process.TransformersGenerator` runs the model in-process: the calls issued in the
+  same event-loop instant become one left-padded ``model.generate`` run in a worker thread (for GPUs without vLLM and
+  small runs).
 
 Both backends sample exactly the distribution :class:`SamplingParams` describes: model-specific defaults (a
 ``generation_config.json`` with ``top_k``, ``repetition_penalty``, ...) are overridden, because an RL loss needs the
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import importlib.util
 import json
 from dataclasses import dataclass, field, replace
@@ -248,157 +248,3 @@ def _generation_from_completion(body: dict, url: str) -> Generation:
             f"{len(token_ids)} token ids and {len(logprobs)} logprobs"
         )
     return Generation(token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason)
-
-
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    future: asyncio.Future
-
-
-@contextlib.contextmanager
-def eager_layers(model):
-    """``model``'s ``torch.compile``-d submodules (``compile_layers``) run eager inside: ``generate`` would compile
-    them again for each layer's KV cache (a guard on that layer's cache entry) and every decode shape, up to dynamo's
-    recompile limit, whose entries the training forward shares. Not for a model another thread is running: in-process
-    generation reads the policy only while the trainer waits (lock-step), else a copy of its own (async)."""
-    compiled = [(module, module._compiled_call_impl) for module in model.modules()
-                if getattr(module, "_compiled_call_impl", None) is not None]
-    for module, _ in compiled:
-        module._compiled_call_impl = None
-    try:
-        yield
-    finally:
-        for module, impl in compiled:
-            module._compiled_call_impl = impl
-
-
-@dataclass
-class TransformersGeneratorConfig:
-    """Knobs of :class:`TransformersGenerator`."""
-
-    max_batch_size: int = field(
-        default=64, metadata={"help": "In-process generator: most rows of one model.generate call."}
-    )
-
-
-class TransformersGenerator(Generator):
-    """In-process generation with a ``transformers`` causal LM; see the module docstring.
-
-    Calls issued in the same event-loop instant with the same temperature and top-p are generated together, up to
-    ``max_batch_size`` per ``model.generate`` (for the largest ``max_tokens`` among them; each row is then cut to its
-    own, so rollouts near their token budget don't split a batch); calls that arrive while a batch runs form the next
-    batch. Batches run one at a time in a worker thread, so the event loop (and the environments' I/O) keeps going.
-    """
-
-    def __init__(self, model, tokenizer, max_batch_size: int = TransformersGeneratorConfig.max_batch_size):
-        if max_batch_size < 1:
-            raise ValueError(f"expected max_batch_size >= 1, got {max_batch_size}")
-        self.model, self.tokenizer = model, tokenizer
-        self.max_batch_size = max_batch_size
-        self.eos_token_ids = end_token_ids(tokenizer, model.generation_config)
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
-        self._pending: list[_Request] = []
-        self._worker: asyncio.Task | None = None
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        loop = asyncio.get_running_loop()
-        request = _Request(list(prompt_ids), params, loop.create_future())
-        self._pending.append(request)
-        if self._worker is None or self._worker.done():
-            self._worker = loop.create_task(self._drain())
-        return await request.future
-
-    async def _drain(self) -> None:
-        """Generate pending requests batch by batch until none is left."""
-        await asyncio.sleep(0)  # one loop iteration, so every call issued in this instant joins the first batch
-        while self._pending:
-            batch = self._take_batch()
-            try:
-                generations = await asyncio.to_thread(self._generate_batch, batch)
-            except Exception as error:  # noqa: BLE001 -- reported to the callers, whose rollouts raise it
-                for request in batch:
-                    if not request.future.done():
-                        request.future.set_exception(error)
-                continue
-            for request, generation in zip(batch, generations, strict=True):
-                if not request.future.done():  # done when the rollout waiting for it was cancelled
-                    request.future.set_result(generation)
-
-    def _take_batch(self) -> list[_Request]:
-        """Up to ``max_batch_size`` pending requests sampled like the first one, oldest first."""
-        params = self._pending[0].params
-        batch = [r for r in self._pending if r.params.with_max_tokens(params.max_tokens) == params]
-        batch = batch[: self.max_batch_size]
-        taken = set(map(id, batch))
-        self._pending = [r for r in self._pending if id(r) not in taken]
-        return batch
-
-    def _generate_batch(self, batch: list[_Request]) -> list[Generation]:
-        import torch
-        from transformers import GenerationConfig
-
-        params = batch[0].params
-        width = max(len(r.prompt_ids) for r in batch)
-        # Left padding, so every prompt ends where generation starts.
-        input_ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])
-        attention_mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
-        # Explicit no-op values so the model's generation_config.json cannot change the distribution; the sampling
-        # knobs only where they apply (transformers warns about them in greedy mode).
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "min_p": 0.0,
-                    "typical_p": 1.0}
-        config = GenerationConfig(
-            max_new_tokens=max(r.params.max_tokens for r in batch),
-            do_sample=params.temperature > 0,
-            **(sampling if params.temperature > 0 else {}),
-            repetition_penalty=1.0,
-            no_repeat_ngram_size=0,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            return_dict_in_generate=True,
-            output_scores=True,
-            stop_strings=list(params.stop) or None,
-        )
-        device = self.model.device
-        with torch.inference_mode(), eager_layers(self.model):
-            output = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config,
-                tokenizer=self.tokenizer if params.stop else None,
-            )
-        new_tokens = output.sequences[:, width:].tolist()
-        # `scores` are the logits after temperature/top-p (what the token was sampled from), one [batch, vocab] per
-        # step.
-        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in output.scores], dim=1)
-        chosen = logprobs.gather(-1, output.sequences[:, width:].unsqueeze(-1).to(logprobs.device)).squeeze(-1).tolist()
-        rows = zip(batch, new_tokens, chosen, strict=True)
-        return [self._cut(r.params, tokens, lps) for r, tokens, lps in rows]
-
-    def _cut(self, params: SamplingParams, tokens: list[int], logprobs: list[float]) -> Generation:
-        """One row of a batch: up to and including its first eos or the token completing its first ``stop`` string
-        ("stop"), else its first ``max_tokens`` ("length")."""
-        tokens = tokens[:params.max_tokens]
-        end = next((i + 1 for i, token in enumerate(tokens) if token in self.eos_token_ids), None)
-        end = self._stop_string_end(tokens[:end], params.stop) or end
-        if end is None:
-            return Generation(tokens, logprobs[:params.max_tokens], "length")
-        return Generation(tokens[:end], logprobs[:end], "stop")
-
-    def _stop_string_end(self, tokens: list[int], stop: tuple[str, ...]) -> int | None:
-        """The fewest of ``tokens`` whose text holds one of ``stop``; None when none does. A prefix's text only grows
-        with the prefix, so the search halves."""
-        def holds(n: int) -> bool:
-            text = self.tokenizer.decode(tokens[:n], skip_special_tokens=False)
-            return any(string in text for string in stop)
-
-        if not stop or not holds(len(tokens)):
-            return None
-        low, high = 1, len(tokens)
-        while low < high:
-            middle = (low + high) // 2
-            low, high = (low, middle) if holds(middle) else (middle + 1, high)
-        return low
-
-    async def aclose(self) -> None:
-        if self._worker is not None:
-            await self._worker

@@ -196,6 +196,14 @@ def weight_push(args, accelerator, vllm_generation=None) -> WeightPush:
                              f"generator={args.generator!r}")
         return NcclPush(vllm_generation)
     if args.weight_sync == "ipc":
+        deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
+        if accelerator.device.type != "cuda":  # else the first push fails, in the server's words
+            raise ValueError(f"weight_sync='ipc' shares CUDA memory with a server on the trainer's GPU; this "
+                             f"trainer runs on {accelerator.device.type}: use weight_sync='reload'")
+        if accelerator.num_processes > 1 or deepspeed:
+            raise ValueError("weight_sync='ipc' pushes from one trainer process without DeepSpeed to a server on "
+                             f"its GPU (here {accelerator.num_processes} processes, DeepSpeed {deepspeed}); use "
+                             "weight_sync='nccl'")
         return IpcPush(accelerator, args.generator_url, args.weight_sync_dtype or "bfloat16")
     return ReloadPush(accelerator, args.generator_url, reload_folder(args), args.weight_sync_dtype)
 

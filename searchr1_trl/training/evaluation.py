@@ -35,13 +35,8 @@ from pathlib import Path
 
 import httpx
 
-from searchr1_trl.engine.generation import (
-    Generator,
-    SamplingParams,
-    TransformersGenerator,
-    VLLMServerGenerator,
-    end_token_ids,
-)
+from searchr1_trl.engine.generation import Generator, SamplingParams, VLLMServerGenerator, end_token_ids
+from searchr1_trl.engine.in_process import TransformersGenerator
 from searchr1_trl.engine.rollout import EnvFactory, EnvStep, MessageEnv, RolloutConfig, RolloutEngine, RolloutStatus
 from searchr1_trl.tasks import Task
 from searchr1_trl.tasks.common.retrieval import RetrievalClient

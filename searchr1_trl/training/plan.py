@@ -103,10 +103,9 @@ def _check_hub(token: str | None) -> None:
 
 
 def check_machine(recipe: str, values: dict) -> None:
-    """Raise :class:`PlanError` when the recipe's ``values`` (:func:`~searchr1_trl.training.recipe.recipe_values`: YAML
-    +
-    command line, typed, not yet a config) need CUDA and this machine has none, naming what is needed and what to run
-    instead.
+    """Raise :class:`PlanError` when the recipe's ``values`` (:func:`~searchr1_trl.training.loading.recipe_values`:
+    YAML + command line, typed, not yet a config) need CUDA and this machine has none, naming what is needed and what
+    to run instead.
 
     Run before the config is built: ``TrainingArguments`` refuses bf16 without a GPU with "Your setup doesn't support
     bf16/gpu" in a traceback, and TRL's configs default bf16 to on unless fp16 or ``use_cpu`` is set.

@@ -1,115 +1,36 @@
-"""The Search-R1 recipe: one flat config a YAML file and the command line set, and the one function that wires it.
+"""The recipe: one flat config a YAML file and the command line set.
 
 :class:`SearchR1Config` is what ``TrlParser`` fills from a recipe (``configs/*.yaml``) plus ``--field value``
-overrides: TRL's ``GRPOConfig`` with the seed recipe's defaults (DAPO loss with asymmetric clipping 0.2 / 0.28, no
-KL and no reference model, group std-normalised advantages, AdamW at lr 1e-6 with 2 warmup steps then constant,
-8 prompts x 8 generations per optimizer step, temperature 1.0, top_p 1.0, 512 tokens per turn), plus one flat field
-per knob of the task's parts. A flat field is declared with :func:`knob`, which takes its default and help text from
-the part's own config (``search_timeout_s`` is :class:`~searchr1_trl.tasks.common.search.SearchR1EnvConfig`'s
-``timeout_s``), so every default is written once, beside the code it configures, and :data:`KNOBS` says which part
-each flat field sets.
-:func:`build_task` is the only place that turns the flat config into parts (torchtitan's ``rollouter.py`` is the
-model): the task the ``task`` field names (:func:`~searchr1_trl.tasks.get_task`), its question streams,
-environment and rubric, the rollout budgets, the sampling of training turns and the generator. The task parts'
-knobs (questions, search, exact match) are those every task here shares (:mod:`searchr1_trl.tasks.common`); a task
-ignores the ones it has no use for (the calculator has no retriever).
+overrides (:mod:`searchr1_trl.training.loading`): TRL's ``GRPOConfig`` with the seed recipe's defaults (DAPO loss with
+asymmetric clipping 0.2 / 0.28, no KL and no reference model, group std-normalised advantages, AdamW at lr 1e-6 with 2
+warmup steps then constant, 8 prompts x 8 generations per optimizer step, temperature 1.0, top_p 1.0, 512 tokens per
+turn), the task to train (``task``), plus one flat field per knob of the parts it configures, declared with
+:func:`~searchr1_trl.training.parts.knob` (:data:`KNOBS` says which part each sets; :mod:`searchr1_trl.training.parts`
+builds them).
 
 Fields of ``GRPOConfig`` that :class:`~searchr1_trl.training.trainer.SearchR1Trainer` must set itself
-(:data:`TRAINER_OWNED`)
-are left unset by a recipe; a recipe that sets one to another value than the trainer needs is refused with an
-error naming the field to set instead, never silently overwritten.
-
-Offline asset paths are written ``${SEARCHR1_CACHE}/...`` in recipes; :func:`~searchr1_trl.assets.offline.resolve_path`
-turns them into paths on this machine when the recipe is loaded.
+(:data:`TRAINER_OWNED`) are left unset by a recipe; a recipe that sets one to another value than the trainer needs is
+refused with an error naming the field to set instead, never silently overwritten.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
-import types
 import typing
 from collections.abc import Callable
-from dataclasses import Field, asdict, dataclass, field, fields, make_dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
-from trl import GRPOConfig, ModelConfig, TrlParser
+from trl import GRPOConfig
 
 from searchr1_trl.assets.offline import resolve_path
-from searchr1_trl.engine.generation import (
-    Generator,
-    SamplingParams,
-    TransformersGenerator,
-    TransformersGeneratorConfig,
-    VLLMServerGenerator,
-    VLLMServerGeneratorConfig,
-    end_token_ids,
-    resolve_generator,
-)
-from searchr1_trl.engine.rollout import EnvFactory, RolloutConfig
-from searchr1_trl.serving.launch import LaunchConfig
-from searchr1_trl.tasks import TASKS, Task, get_task
-from searchr1_trl.tasks.common.data import SearchR1Dataset, SearchR1DatasetConfig
-from searchr1_trl.tasks.common.rubric import RewardExactMatch, RewardExactMatchConfig, Rubric, RubricConfig
-from searchr1_trl.tasks.common.search import SearchR1EnvConfig
-from searchr1_trl.training.callbacks import KEEP_METRIC, CollapseGuardConfig
-from searchr1_trl.training.experimental.async_rollouts import AsyncRolloutsConfig
+from searchr1_trl.engine.generation import resolve_generator
+from searchr1_trl.tasks import TASKS, get_task
+from searchr1_trl.training.callbacks import KEEP_METRIC
 from searchr1_trl.training.experimental.staleness import IMPORTANCE_SAMPLING_MODES
-from searchr1_trl.training.warm_start import WarmStartConfig
+from searchr1_trl.training.parts import knob, knobs, owned
 
 logger = logging.getLogger(__name__)
-
-
-def _recipes_dir() -> Path:
-    """Where the shipped recipes are: ``searchr1_trl/recipes`` in an installed wheel (pyproject.toml maps
-    ``configs/`` there), ``configs/`` in a repository checkout."""
-    packaged = Path(__file__).resolve().parent.parent / "recipes"
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "configs"
-
-
-CONFIGS = _recipes_dir()
-
-# The parts a recipe configures, with their defaults.
-PARTS: dict[str, Any] = {
-    "train_stream": SearchR1DatasetConfig(),  # train.parquet, shuffled with seed 42, a new order every epoch
-    # The NQ split of the test file, in file order, so every validation draws the same questions.
-    "eval_stream": SearchR1DatasetConfig(filename="test.parquet", data_source="nq", shuffle=False),
-    "env": SearchR1EnvConfig(),
-    "rollout": RolloutConfig(),
-    "sampling": SamplingParams(),
-    "exact_match": RewardExactMatchConfig(),
-    "rubric": RubricConfig(),
-    "vllm_generator": VLLMServerGeneratorConfig(),
-    "transformers_generator": TransformersGeneratorConfig(),
-    "warm_start": WarmStartConfig(),  # off: no traces
-    "collapse_guard": CollapseGuardConfig(),  # on wherever training validates
-    "async_rollouts": AsyncRolloutsConfig(),  # off: lock-step rollouts
-    "launch": LaunchConfig(),  # searchr1-launch's plan: one machine, every process on the CPU
-}
-
-# Knobs of the parts that are no recipe field, because build_task derives them.
-WIRED: dict[str, dict[str, str]] = {
-    "train_stream": {"shuffle": "training always draws a fresh permutation per epoch"},
-    "eval_stream": {"seed": "eval_sample_seed", "shuffle": "eval_sample_seed is set"},
-    "sampling": {"temperature": "GRPOConfig's temperature", "top_p": "GRPOConfig's top_p",
-                 "stop": "the task's transcript (a tag protocol's closing tags)"},
-}
-
-_KNOB_FIELDS: dict[Field, tuple[str, str]] = {}
-
-
-def knob(part: str, name: str) -> Any:
-    """A recipe field setting ``name`` of ``part`` (a key of :data:`PARTS`), with that knob's default and help."""
-    spec = {f.name: f for f in fields(PARTS[part])}[name]
-    flat = field(default=getattr(PARTS[part], name), metadata={"help": spec.metadata["help"]})
-    _KNOB_FIELDS[flat] = (part, name)
-    return flat
-
-
-def _owned(source: str) -> Any:
-    """A GRPOConfig field the trainer sets itself (see :data:`TRAINER_OWNED`); None means unset."""
-    return field(default=None, metadata={"help": f"Set by SearchR1Trainer ({source}); leave it unset."})
 
 
 @dataclass
@@ -161,12 +82,12 @@ class SearchR1Config(GRPOConfig):
     )
 
     # --- inherited GRPO fields the trainer owns ---
-    use_vllm: bool | None = _owned("from generator and weight_sync")
-    vllm_mode: str | None = _owned("server")
-    max_completion_length: int | None = _owned("from max_rollout_tokens")
-    remove_unused_columns: bool | None = _owned("False: the rubric reads golden_answers from each row")
-    ignore_data_skip: bool | None = _owned("True: the question stream restores its own position")
-    num_generations_eval: int | None = _owned("1: validation is one greedy rollout per question")
+    use_vllm: bool | None = owned("from generator and weight_sync")
+    vllm_mode: str | None = owned("server")
+    max_completion_length: int | None = owned("from max_rollout_tokens")
+    remove_unused_columns: bool | None = owned("False: the rubric reads golden_answers from each row")
+    ignore_data_skip: bool | None = owned("True: the question stream restores its own position")
+    num_generations_eval: int | None = owned("1: validation is one greedy rollout per question")
 
     # --- questions ---
     train_data_path: str | None = knob("train_stream", "data_path")
@@ -385,178 +306,14 @@ TRAINER_OWNED: dict[str, tuple[Callable[[SearchR1Config], Any], str]] = {
 }
 
 # Recipe field -> (part, knob of that part); every field declared with knob().
-KNOBS: dict[str, tuple[str, str]] = {f.name: _KNOB_FIELDS[f] for f in fields(SearchR1Config) if f in _KNOB_FIELDS}
+KNOBS: dict[str, tuple[str, str]] = knobs(SearchR1Config)
 
 
 def knob_fields(name: str, parts: tuple[str, ...]) -> type:
     """A dataclass of the recipe fields that set ``parts`` (same names, defaults and help), for commands that run a
-    policy the way training does (``searchr1-eval``, ``searchr1-ask``); :func:`part_config` reads it like a recipe."""
+    policy the way training does (``searchr1-eval``, ``searchr1-ask``); ``part_config`` reads it like a recipe."""
     hints = typing.get_type_hints(SearchR1Config)
     return make_dataclass(name, [
-        (f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
+        (f.name, hints[f.name], knob(*KNOBS[f.name]))
         for f in fields(SearchR1Config) if f.name in KNOBS and KNOBS[f.name][0] in parts
     ])
-
-
-def part_config(args: SearchR1Config, part: str) -> Any:
-    """The config of ``part`` as the recipe sets it: the task's defaults with every knob's recipe value."""
-    return replace(PARTS[part], **{name: getattr(args, flat) for flat, (p, name) in KNOBS.items() if p == part})
-
-
-@dataclass
-class TaskParts:
-    """Everything the trainer plugs into GRPOTrainer, built from one recipe by :func:`build_task`."""
-
-    task: Task  # what the parts below were built for
-    train_stream: SearchR1Dataset
-    eval_samples: list  # the task's samples; [] when the recipe never validates
-    envs: EnvFactory  # one env per rollout
-    rollout: RolloutConfig
-    sampling: SamplingParams  # of training turns; validation is greedy with the same max_tokens
-    rubric: Rubric
-    generator: Callable[[Any, Any], Generator]  # (model, tokenizer) -> generator: TRL loads the model first
-    warm_start: WarmStartConfig  # num_traces 0: none
-    report_samples: list = field(default_factory=list)  # disjoint from eval_samples
-
-
-def build_task(args: SearchR1Config) -> TaskParts:
-    """The task, question streams, environment, rollout budgets, sampling, rubric and generator of a recipe."""
-    task = get_task(args.task)
-    validates = args.eval_strategy != "no" or args.eval_on_start
-    eval_stream = part_config(args, "eval_stream")
-    if args.eval_sample_seed is not None:
-        eval_stream = replace(eval_stream, shuffle=True, seed=args.eval_sample_seed)
-    rubric = Rubric([RewardExactMatch(part_config(args, "exact_match"), answer=task.answer)],
-                    **asdict(part_config(args, "rubric")))
-    if args.generator == "vllm":
-        vllm = part_config(args, "vllm_generator")
-
-        def generator(model, tokenizer) -> Generator:
-            stop_token_ids = end_token_ids(tokenizer, model.generation_config)
-            return VLLMServerGenerator(args.generator_url, stop_token_ids=stop_token_ids, **asdict(vllm))
-    else:
-        in_process = part_config(args, "transformers_generator")
-
-        def generator(model, tokenizer) -> Generator:
-            return TransformersGenerator(model, tokenizer, **asdict(in_process))
-
-    if args.report_num_samples and not validates:
-        raise ValueError(f"report_num_samples={args.report_num_samples} is evaluated beside validation, which this "
-                         "recipe never runs: set eval_strategy (or eval_on_start), or report_num_samples 0")
-    held_out = SearchR1Dataset(eval_stream).take(args.eval_num_samples + args.report_num_samples) if validates else []
-    if args.report_num_samples and len(held_out) < args.eval_num_samples + args.report_num_samples:
-        raise ValueError(f"eval_num_samples={args.eval_num_samples} + report_num_samples={args.report_num_samples} "
-                         f"asks for more questions than {eval_stream.data_path or eval_stream.filename} holds "
-                         f"({len(held_out)})")
-    return TaskParts(
-        task=task,
-        train_stream=SearchR1Dataset(part_config(args, "train_stream")),
-        eval_samples=held_out[:args.eval_num_samples],
-        report_samples=held_out[args.eval_num_samples:],
-        envs=task.envs(part_config(args, "env")),
-        rollout=part_config(args, "rollout"),
-        sampling=replace(part_config(args, "sampling"), temperature=args.temperature, top_p=args.top_p),
-        rubric=rubric,
-        generator=generator,
-        warm_start=part_config(args, "warm_start"),
-    )
-
-
-def recipe_path(name: str) -> Path:
-    """A recipe file: ``name`` itself when it is a file, else ``configs/<name>[.yaml]``; ValueError naming the
-    known recipes otherwise."""
-    if Path(name).is_file():
-        return Path(name)
-    candidate = CONFIGS / (name if name.endswith(".yaml") else f"{name}.yaml")
-    if not candidate.is_file():
-        known = ", ".join(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
-        raise ValueError(f"recipe {name!r} is neither a file nor one of the shipped recipes ({CONFIGS}): {known}")
-    return candidate
-
-
-def read_recipe(path: str | Path) -> dict[str, Any]:
-    """The fields a recipe file sets, checked against their types: ValueError naming the file, the field (or the
-    YAML line) and what is expected. TrlParser would pass a list on where a number belongs, to fail in a traceback
-    somewhere inside the trainer, and raise its own traceback for YAML that is no mapping or no YAML."""
-    import yaml
-
-    try:
-        values = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as error:
-        mark, context = getattr(error, "problem_mark", None), getattr(error, "context_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        since = f" ({error.context} at line {context.line + 1})" if context and error.context else ""
-        raise ValueError(f"{path}: not valid YAML{where}: {getattr(error, 'problem', None) or error}{since}") \
-            from None
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: a recipe is a mapping of field: value, got a YAML {type(values).__name__}")
-    hints = {**typing.get_type_hints(ModelConfig), **typing.get_type_hints(SearchR1Config)}
-    for name, value in values.items():
-        accepted = _accepted_types(hints[name]) if name in hints else None
-        # bool is an int in Python, but `true` is no count
-        if accepted is not None and not (bool in accepted if isinstance(value, bool) else isinstance(value, accepted)):
-            shown = [t for t in dict.fromkeys(accepted) if not (t is int and float in accepted)]  # a number: both
-            expected = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in shown)
-            raise ValueError(f"{path}: {name}: expected {expected}, got {_TYPE_NAMES.get(type(value), 'a value')} "
-                             f"{value!r:.80}")
-    return values
-
-
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
-               dict: "a mapping", type(None): "null"}
-
-
-def _accepted_types(hint: Any) -> tuple[type, ...] | None:
-    """The YAML value types a field of type ``hint`` takes (``float`` takes integers too), or None for a type that is
-    not checked here (enums, literals: TrlParser and the configs check those)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        parts = [_accepted_types(arg) for arg in typing.get_args(hint)]
-        return None if any(p is None for p in parts) else tuple(t for p in parts for t in p)
-    hint = origin or hint
-    if hint is type(None):
-        return (type(None),)
-    if hint is float:
-        return (int, float)
-    return (hint,) if hint in (int, str, bool, list, dict) else None
-
-
-class RecipeParser(TrlParser):
-    """TrlParser whose command-line errors (``--max_turns abc``) are a ValueError, so ``searchr1-train`` says them in
-    one line instead of argparse's usage of every field (some 300 lines) and exit status 2."""
-
-    def error(self, message: str):
-        raise ValueError(f"command line: {message}")
-
-
-def recipe_values(argv: list[str]) -> dict[str, Any]:
-    """Every field ``--config <recipe> [--field value ...]`` sets, typed by :func:`load_recipe`'s parser but not yet a
-    config: what the plan check reads first, since building the config runs ``TrainingArguments``' own checks (bf16
-    without a GPU fails there in a traceback that names neither the recipe nor what to run instead)."""
-    argv = list(argv)
-    parser = RecipeParser((SearchR1Config, ModelConfig))
-    if "--config" in argv:
-        i = argv.index("--config")
-        values = read_recipe(recipe_path(argv[i + 1]))
-        values.pop("env", None)  # environment variables for the run, not fields
-        parser.set_defaults_with_config(**values)
-        del argv[i:i + 2]
-    return vars(parser.parse_args(argv))  # an unknown field is an error (RecipeParser.error), as in training
-
-
-def load_recipe(argv: list[str] | None = None) -> tuple[SearchR1Config, ModelConfig]:
-    """``(args, model_args)`` from ``--config <recipe> [--field value ...]`` (``sys.argv`` when None), every asset
-    path resolved for this machine."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--config" in argv:
-        i = argv.index("--config") + 1
-        argv[i] = str(recipe_path(argv[i]))
-        read_recipe(argv[i])  # one line for a recipe TrlParser would turn into a traceback
-    args, model_args = RecipeParser((SearchR1Config, ModelConfig)).parse_args_and_config(args=argv)
-    if model_args.model_name_or_path:
-        model_args.model_name_or_path = resolve_path(model_args.model_name_or_path)
-    for part in PARTS:  # each part checks its own knobs (max_turns >= 1, ...): now, not when the trainer builds it
-        part_config(args, part)
-    return args, model_args

@@ -62,11 +62,12 @@ def process_file(output_dir: str, accelerator, name: str) -> Path:
     return path
 
 
-def append_parse_failures(path: Path, step: int, failed: list[Rollout]) -> None:
-    """Append unparsed training turns to ``path``: the rates say how often the parser refuses a turn, only the
-    texts say which slip it was."""
+def append_parse_failures(args, accelerator, step: int, failed: list[Rollout]) -> None:
+    """Append this process's unparsed training turns to ``parse_failures.jsonl``: the rates say how often the parser
+    refuses a turn, only the texts say which slip it was."""
     if not failed:
         return
+    path = process_file(args.output_dir, accelerator, "parse_failures.jsonl")
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         for rollout in failed:
@@ -74,9 +75,10 @@ def append_parse_failures(path: Path, step: int, failed: list[Rollout]) -> None:
                                 "turn": rollout.num_turns, "text": rollout.messages[-1].get("content")}) + "\n")
 
 
-def write_validation_traces(path: Path, step: int, named: list) -> None:
-    """A validation's rollouts, whole, one JSON line each (``named``: ``(sample name, Trace)``): the only record of
-    what the policy wrote when validation EM fell (a guard stop keeps the best checkpoint, not the one that
-    collapsed)."""
+def write_validation_traces(args, accelerator, step: int, named: list) -> None:
+    """This process's rollouts of a validation, whole, one JSON line each (``named``: ``(sample name, Trace)``): the
+    only record of what the policy wrote when validation EM fell (a guard stop keeps the best checkpoint, not the one
+    that collapsed)."""
+    path = process_file(args.output_dir, accelerator, f"validation_traces/step-{step}.jsonl")
     write_atomically(path, "".join(json.dumps({"sample": name, "step": step, **asdict(trace)}) + "\n"
                                    for name, trace in named))

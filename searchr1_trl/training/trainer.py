@@ -1,36 +1,26 @@
 """SearchR1Trainer: TRL's GRPOTrainer with a task's question stream, multi-turn rollouts and rubric plugged in.
 
-Its one job is the plugging; each of the parts it plugs in lives in a module of its own. What it decides:
+Its one job is the plugging; each part it plugs in lives in a module of its own:
 
-- **The task** is the recipe's (``task``, :func:`~searchr1_trl.tasks.get_task`), reached only through its
-  :class:`~searchr1_trl.tasks.Task` (samples, environments, answer reader) and the parts
-  :func:`~searchr1_trl.training.recipe.build_task` makes of it.
-- **Questions** come from the endless, seeded :class:`~searchr1_trl.tasks.common.data.SearchR1Dataset`, drawn one
+- **the task** (``task``, :func:`~searchr1_trl.tasks.get_task`), through its :class:`~searchr1_trl.tasks.Task` and the
+  parts :func:`~searchr1_trl.training.parts.build_task` makes of it: an endless, seeded question stream drawn one
   optimizer step at a time (:class:`~searchr1_trl.tasks.common.data.QuestionBatches`), so a resumed run continues the
-  exact question sequence; **a checkpoint is complete or ignored** (:mod:`searchr1_trl.training.resume`).
-- **Rollouts** go through TRL's ``rollout_func`` hook: the generic :class:`~searchr1_trl.engine.rollout.RolloutEngine`
-  drives one of the task's environments per rollout, built for that row's sample; the returned ``env_mask`` keeps
-  tool tokens out of the loss. What a run writes of them: :mod:`searchr1_trl.training.records`.
-- **Rewards** are the :class:`~searchr1_trl.tasks.common.rubric.Rubric`, a plain TRL reward function that scores each
-  rollout (handed on by ``rollout_func``) from its own sample.
-- **Generator weights** are pushed once per optimizer step, before its rollouts or a validation, by the
-  :mod:`searchr1_trl.serving.weight_sync` push the recipe names (TRL's NCCL path, a safetensors folder the vLLM server
-  reloads, or CUDA IPC to a server on the same GPU). The in-process generator (``generator="transformers"``) uses
-  the live model, no sync.
-- **Validation** is greedy rollouts over a fixed held-out slice (:mod:`searchr1_trl.training.evaluation`), logged as
-  EM overall and per data source; ``report_num_samples`` questions disjoint from it are evaluated beside it.
-- **The saved model is the newest validated checkpoint within noise of the best**, and a collapse stops training
-  (:class:`~searchr1_trl.training.callbacks.CollapseGuard`); a step with NaN/inf gradients is skipped
-  (:class:`~searchr1_trl.training.callbacks.NonFiniteGradientGuard`); groups without reward spread can leave the loss
-  (``drop_equal_reward_groups``, DAPO's dynamic sampling).
-- **Throughput levers of the policy update**, off by default (:mod:`searchr1_trl.training.update`):
-  ``fp32_master_weights``, ``padding_free``, ``compile_layers``; the loss, tool tokens masked, is TRL's either way.
-- **Asynchronous rollouts**, experimental and off by default (``async_rollouts``,
-  :mod:`searchr1_trl.training.experimental`): the next steps' rollouts generate on a background thread while the
-  trainer updates, each weighted by ``pi_current / pi_behaviour``
-  (:mod:`~searchr1_trl.training.experimental.staleness`).
-- **Connections are closed**: the event loop rollouts run on, the generator's and the environments' pooled clients are
-  opened by ``train()`` (or a standalone ``evaluate()``) and closed when it returns, also on an error.
+  exact question sequence, and a checkpoint is complete or ignored (:mod:`~searchr1_trl.training.resume`);
+- **rollouts** through TRL's ``rollout_func``: the :class:`~searchr1_trl.engine.rollout.RolloutEngine` drives one of
+  the task's environments per row's sample, its ``env_mask`` keeps tool tokens out of the loss, the
+  :class:`~searchr1_trl.tasks.common.rubric.Rubric` scores each from its own sample, and
+  :mod:`~searchr1_trl.training.records` writes down what a run needs of them;
+- **generator weights** pushed once per optimizer step, before its rollouts or a validation
+  (:mod:`searchr1_trl.serving.weight_sync`: NCCL, a folder the vLLM server reloads, or CUDA IPC); the in-process
+  generator uses the live model;
+- **validation**: greedy rollouts over a fixed held-out slice (:mod:`~searchr1_trl.training.evaluation`), the newest
+  validated checkpoint within noise of the best kept and a collapse stopped
+  (:class:`~searchr1_trl.training.callbacks.CollapseGuard`), NaN/inf steps skipped
+  (:class:`~searchr1_trl.training.callbacks.NonFiniteGradientGuard`);
+- **the update's levers**, off by default (:mod:`~searchr1_trl.training.update`), and **asynchronous rollouts**,
+  experimental (:mod:`searchr1_trl.training.experimental`);
+- **connections closed**: the rollout loop, the generator's and the environments' clients are opened by ``train()``
+  (or a standalone ``evaluate()``) and closed when it returns, also on an error.
 
 The private surface of TRL 1.16.0 and transformers 5.24.0 this package relies on (``tests/test_trl_surface.py``
 fails, naming the entry, when the installed versions are not the pinned ones or an entry is gone):
@@ -81,11 +71,13 @@ from searchr1_trl.training.callbacks import CollapseGuard, DivergentStepGuard, N
 from searchr1_trl.training.experimental import async_rollouts
 from searchr1_trl.training.experimental.staleness import StalenessCorrection
 from searchr1_trl.training.model_card import recipe_section, validation_em
-from searchr1_trl.training.recipe import SearchR1Config, TaskParts, build_task, part_config
+from searchr1_trl.training.parts import TaskParts, build_task, part_config
+from searchr1_trl.training.recipe import SearchR1Config
 from searchr1_trl.training.resume import complete_checkpoint, resume_point
 from searchr1_trl.training.rows import with_placeholder_completion
 from searchr1_trl.training.update import (
-    compile_decoder_layers,
+    compile_for_training,
+    drop_equal_reward_groups,
     loss_mask,
     packed_logps_and_entropies,
     with_fp32_master_weights,
@@ -97,7 +89,7 @@ logger = logging.getLogger(__name__)
 class SearchR1Trainer(GRPOTrainer):
     """GRPO on multi-turn tool rollouts of the recipe's task.
 
-    The task's parts come from ``args`` through :func:`~searchr1_trl.training.recipe.build_task` unless ``parts`` are
+    The task's parts come from ``args`` through :func:`~searchr1_trl.training.parts.build_task` unless ``parts`` are
     passed; ``reward_funcs`` defaults to the task's rubric (pass it with extra TRL reward functions to add them).
     """
 
@@ -120,27 +112,13 @@ class SearchR1Trainer(GRPOTrainer):
         )
         self.add_callback(NonFiniteGradientGuard(self._metrics["train"]))
         if args.compile_layers:
-            if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-                raise ValueError("compile_layers=True under DeepSpeed ZeRO-3: torch.compile traces into ZeRO-3's "
-                                 "parameter-gathering hooks and recompiles until its limit, then runs the layers "
-                                 "eager; drop compile_layers, or train without ZeRO-3 (ZeRO-1/2 compile as one GPU)")
-            compile_decoder_layers(self.model)
-            if self.ref_model is not None:  # its forward (beta > 0) is a third of the update's work, in series
-                compile_decoder_layers(self.ref_model)
+            compile_for_training(self.model, self.ref_model, self.accelerator)
         self.collapse_guard = None
         if args.collapse_guard and args.eval_strategy != "no":
             self.collapse_guard = CollapseGuard(part_config(args, "collapse_guard"))
             self.add_callback(self.collapse_guard)
         self.engine = RolloutEngine(self.processing_class, self.parts.generator(self.model, self.processing_class),
                                     self.envs, self.parts.rollout)
-        if args.generator == "vllm" and args.weight_sync == "ipc":
-            if self.accelerator.device.type != "cuda":  # else the first push fails, in the server's words
-                raise ValueError(f"weight_sync='ipc' shares CUDA memory with a server on the trainer's GPU; this "
-                                 f"trainer runs on {self.accelerator.device.type}: use weight_sync='reload'")
-            if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled:
-                raise ValueError("weight_sync='ipc' pushes from one trainer process without DeepSpeed to a server on "
-                                 f"its GPU (here {self.accelerator.num_processes} processes, DeepSpeed "
-                                 f"{self.is_deepspeed_enabled}); use weight_sync='nccl'")
         self.weight_push = (weight_push(args, self.accelerator, getattr(self, "vllm_generation", None))
                             if args.generator == "vllm" else None)
         if isinstance(self.weight_push, ReloadPush):
@@ -219,7 +197,8 @@ class SearchR1Trainer(GRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training:
             if self.args.drop_equal_reward_groups:
-                output = self._drop_equal_reward_groups(output)
+                output = drop_equal_reward_groups(output, self.num_generations, self.accelerator,
+                                                  self._metrics["train"])
             if self.pipeline is not None:
                 output = self.correction.weigh(output)
             self._metrics["train"]["generate_and_score/time_s"].append(time.perf_counter() - start)
@@ -228,19 +207,6 @@ class SearchR1Trainer(GRPOTrainer):
                 # process only; a vLLM server on the same GPU holds its own)
                 self._metrics["train"]["train/peak_memory_gib"].append(torch.cuda.max_memory_allocated() / 2**30)
                 torch.cuda.reset_peak_memory_stats()
-        return output
-
-    def _drop_equal_reward_groups(self, output: dict) -> dict:
-        """A group whose advantages are all ~0 (equal rewards; TRL divides by std + 1e-4, so float noise stays far
-        below 0.01 while a group with spread has |advantage| ~1) leaves the loss mask and the DAPO token count."""
-        advantages = output["advantages"]
-        if advantages.numel() % self.num_generations:
-            raise ValueError(f"drop_equal_reward_groups: this process holds {advantages.numel()} rollouts, not whole "
-                             f"groups of num_generations={self.num_generations}")
-        keep = (advantages.view(-1, self.num_generations).abs() > 0.01).any(dim=1)
-        self._metrics["train"]["train/dropped_groups"].append(1.0 - keep.float().mean().item())
-        output["completion_mask"] = output["completion_mask"] * keep.repeat_interleave(self.num_generations)[:, None]
-        output["num_items_in_batch"] = self.accelerator.gather(loss_mask(output).sum()).sum()
         return output
 
     # ---- rollouts ----------------------------------------------------------------------------------------------
@@ -310,11 +276,8 @@ class SearchR1Trainer(GRPOTrainer):
         if mode == "train":
             records.stop_on_search_outage(env_metrics, self.state.global_step, self.args)
             if self.args.save_parse_failures:
-                records.append_parse_failures(self._process_file("parse_failures.jsonl"), self.state.global_step,
+                records.append_parse_failures(self.args, self.accelerator, self.state.global_step,
                                               [r for r in rollouts if r.status == RolloutStatus.ERROR_PARSE])
-
-    def _process_file(self, name: str) -> Path:
-        return records.process_file(self.args.output_dir, self.accelerator, name)
 
     def _generate(self, prompts):
         # Extends GRPOTrainer._generate (TRL 1.16): sync first, so TRL's own NCCL push finds the step loaded.
@@ -374,7 +337,7 @@ class SearchR1Trainer(GRPOTrainer):
         progress.close()
         if self.args.save_validation_traces:
             records.write_validation_traces(
-                self._process_file(f"validation_traces/step-{self.state.global_step}.jsonl"), self.state.global_step,
+                self.args, self.accelerator, self.state.global_step,
                 [(name, trace) for (name, _), trace in zip(local, traces, strict=True)])
         # Only what the summary needs crosses processes; the conversations stay where they were generated.
         named = gather_object([(name, replace(trace, messages=[])) for (name, _), trace in zip(local, traces,

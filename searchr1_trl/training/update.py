@@ -1,6 +1,6 @@
-"""Three levers on the policy update's throughput that keep its numbers: fp32 master weights for bf16 models,
-padding-free packing of rollouts and compiled decoder layers. All are off by default; ``SearchR1Config`` switches them
-on.
+"""Levers on the policy update: three on its throughput that keep its numbers (fp32 master weights for bf16 models,
+padding-free packing of rollouts and compiled decoder layers) and DAPO's dynamic sampling. All are off by default;
+``SearchR1Config`` switches them on.
 
 - **fp32 master weights** (``fp32_master_weights``, with the model loaded in bfloat16): the optimizer keeps an fp32
   copy of every bf16 weight in its state, steps that copy with the gradients cast to fp32, and writes it back rounded
@@ -20,8 +20,10 @@ on.
   (``experiments/policy_update.py --compile_layers``, seq 2048, bf16) it raised the update's MFU from 0.383 to 0.577
   (Qwen3-1.7B) and 0.554 to 0.694 (Qwen3-8B). The first step compiles, for any sequence length and (packed: see
   :func:`pack_rows`' ``one_graph``) any packing; in-process generation runs the layers eager
-  (:func:`~searchr1_trl.engine.generation.eager_layers`). Not under DeepSpeed ZeRO-3 (the trainer refuses it):
+  (:func:`~searchr1_trl.engine.in_process.eager_layers`). Not under DeepSpeed ZeRO-3 (the trainer refuses it):
   dynamo traces into ZeRO-3's parameter-gathering hooks and recompiles until its limit, then runs eager.
+- **DAPO's dynamic sampling, without the refill** (``drop_equal_reward_groups``): a group whose rollouts all got the
+  same reward leaves the loss and its token count (:func:`drop_equal_reward_groups`).
 """
 
 from __future__ import annotations
@@ -214,3 +216,31 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     for layer in layers:
         layer.compile(dynamic=True)  # rollout lengths change every step: one compile, not a second at the next length
     return len(layers)
+
+
+def compile_for_training(model: torch.nn.Module, ref_model: torch.nn.Module | None, accelerator) -> None:
+    """``compile_layers``: the policy's decoder layers compiled, and the reference model's (its forward, with
+    beta > 0, is a third of the update's work, in series); ValueError under DeepSpeed ZeRO-3."""
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
+    if deepspeed is not None and deepspeed.zero_stage == 3:
+        raise ValueError("compile_layers=True under DeepSpeed ZeRO-3: torch.compile traces into ZeRO-3's "
+                         "parameter-gathering hooks and recompiles until its limit, then runs the layers "
+                         "eager; drop compile_layers, or train without ZeRO-3 (ZeRO-1/2 compile as one GPU)")
+    compile_decoder_layers(model)
+    if ref_model is not None:
+        compile_decoder_layers(ref_model)
+
+
+def drop_equal_reward_groups(output: dict, num_generations: int, accelerator, metrics: dict[str, list[float]]) -> dict:
+    """A step's scored ``output`` without its groups whose advantages are all ~0 (equal rewards; TRL divides by
+    std + 1e-4, so float noise stays far below 0.01 while a group with spread has |advantage| ~1): they leave the loss
+    mask and the DAPO token count, counted as ``train/dropped_groups``."""
+    advantages = output["advantages"]
+    if advantages.numel() % num_generations:
+        raise ValueError(f"drop_equal_reward_groups: this process holds {advantages.numel()} rollouts, not whole "
+                         f"groups of num_generations={num_generations}")
+    keep = (advantages.view(-1, num_generations).abs() > 0.01).any(dim=1)
+    metrics["train/dropped_groups"].append(1.0 - keep.float().mean().item())
+    output["completion_mask"] = output["completion_mask"] * keep.repeat_interleave(num_generations)[:, None]
+    output["num_items_in_batch"] = accelerator.gather(loss_mask(output).sum()).sum()
+    return output

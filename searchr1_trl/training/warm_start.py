@@ -107,7 +107,7 @@ def with_second_searches_repeated(traces: list[Rollout], repeats: int) -> list[R
 def scripted_warm_start_traces(args, model_path: str, tokenizer, parts) -> tuple[list[Rollout], list[Rollout]]:
     """The task's teacher traces of the warm start's questions (the training stream reseeded: seed + 1, so GRPO does
     not start on the questions it was fine-tuned on), and those to learn from. ``parts``: the recipe's
-    :class:`~searchr1_trl.training.recipe.TaskParts`."""
+    :class:`~searchr1_trl.training.parts.TaskParts`."""
     from transformers import GenerationConfig
 
     config = parts.warm_start
@@ -126,7 +126,7 @@ def scripted_warm_start_traces(args, model_path: str, tokenizer, parts) -> tuple
 
 def warm_start(args, model_args, parts) -> str:
     """Write the traces, fine-tune the recipe's model on them, save it; the folder GRPO starts from. ``parts`` is the
-    recipe's :class:`~searchr1_trl.training.recipe.TaskParts` (its task, environment, budgets, question stream and
+    recipe's :class:`~searchr1_trl.training.parts.TaskParts` (its task, environment, budgets, question stream and
     warm-start config)."""
     from datasets import Dataset
     from transformers import AutoTokenizer
