@@ -34,8 +34,8 @@ def test_every_recipe_loads_validates_and_builds_its_grpo_config(recipe, offline
     assert args.generation_batch_size % args.num_generations == 0
     assert args.max_completion_length == args.max_rollout_tokens
     # a call the sampler left unclosed is closed, not scored 0 (0.5B: gain +0.035 -> +0.053,
-    # experiments/results/learning.md)
-    assert args.close_tool_calls
+    # experiments/results/learning.md); the tag protocol has no tool calls to close
+    assert args.close_tool_calls or args.task != "search_r1"
     header = (CONFIGS / f"{recipe}.yaml").read_text().splitlines()[0]
     assert header.startswith("# "), "every recipe starts with a header comment saying what it trains"
 

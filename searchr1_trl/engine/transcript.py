@@ -122,13 +122,15 @@ class TextTranscript(Transcript):
     strings that end a turn."""
 
     def __init__(self, tokenizer, parse_text: Callable[[str], dict | None], env_text: Callable[[dict], str],
-                 stop: tuple[str, ...] = ()):
+                 stop: tuple[str, ...] = (), enable_thinking: bool = False):
         super().__init__(tokenizer)
         self.parse_text, self.env_text, self.stop = parse_text, env_text, tuple(stop)
+        self.enable_thinking = enable_thinking
 
     def prompt(self, messages: list[dict]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      enable_thinking=self.enable_thinking)
         else:  # a base model's tokenizer without a template: the instruction as written
             text = "".join(message["content"] for message in messages)
         return list(self._encode_text(text))

@@ -22,6 +22,7 @@ from typing import Any
 # Task name -> the module whose TASK it is.
 TASKS: dict[str, str] = {
     "search_r1": "searchr1_trl.tasks.search_r1",
+    "search_r1_tags": "searchr1_trl.tasks.search_r1_tags",
 }
 
 
