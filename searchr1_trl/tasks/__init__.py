@@ -23,6 +23,7 @@ from typing import Any
 TASKS: dict[str, str] = {
     "search_r1": "searchr1_trl.tasks.search_r1",
     "search_r1_tags": "searchr1_trl.tasks.search_r1_tags",
+    "calculator": "searchr1_trl.tasks.calculator",
 }
 
 
