@@ -22,6 +22,18 @@ class SearchOutage(RuntimeError):
     """More of a step's searches failed than the recipe allows (``max_failed_search_fraction``)."""
 
 
+def record_rollouts(mode: str, metrics: dict[str, list[float]], rollouts: list[Rollout], seconds: float,
+                    env_metrics: dict[str, float], args, accelerator, step: int) -> None:
+    """Everything a run keeps of a step's rollouts (``mode``: ``train`` or ``eval``): their metrics, and in training
+    the stop on a search outage and the turns the parser refused."""
+    log_rollouts(metrics, rollouts, seconds, env_metrics)
+    if mode == "train":
+        stop_on_search_outage(env_metrics, step, args)
+        if args.save_parse_failures:
+            refused = [r for r in rollouts if r.status == RolloutStatus.ERROR_PARSE]
+            append_parse_failures(args, accelerator, step, refused)
+
+
 def log_rollouts(metrics: dict[str, list[float]], rollouts: list[Rollout], seconds: float,
                  env_metrics: dict[str, float]) -> None:
     """A step's rollout metrics (``rollout/*``: how they ended, tool calls, turns, tokens, time) and its environments'

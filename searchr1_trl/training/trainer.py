@@ -62,7 +62,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 
-from searchr1_trl.engine.rollout import Rollout, RolloutEngine, RolloutStatus
+from searchr1_trl.engine.rollout import Rollout, RolloutEngine
 from searchr1_trl.serving.weight_sync import PausedPush, ReloadPush, warn_stale_tied_head, weight_push
 from searchr1_trl.tasks.common.data import QuestionBatches, training_row
 from searchr1_trl.training import evaluation, records
@@ -271,13 +271,8 @@ class SearchR1Trainer(GRPOTrainer):
         }
 
     def _log_rollouts(self, mode: str, rollouts: list[Rollout], seconds: float) -> None:
-        env_metrics = self.envs.metrics()
-        records.log_rollouts(self._metrics[mode], rollouts, seconds, env_metrics)
-        if mode == "train":
-            records.stop_on_search_outage(env_metrics, self.state.global_step, self.args)
-            if self.args.save_parse_failures:
-                records.append_parse_failures(self.args, self.accelerator, self.state.global_step,
-                                              [r for r in rollouts if r.status == RolloutStatus.ERROR_PARSE])
+        records.record_rollouts(mode, self._metrics[mode], rollouts, seconds, self.envs.metrics(), self.args,
+                                self.accelerator, self.state.global_step)
 
     def _generate(self, prompts):
         # Extends GRPOTrainer._generate (TRL 1.16): sync first, so TRL's own NCCL push finds the step loaded.
