@@ -8,7 +8,7 @@ from pathlib import Path
 
 from experiments import variants
 from searchr1_trl.training.experimental import async_rollouts
-from searchr1_trl.training.recipe import load_recipe
+from searchr1_trl.training.loading import load_recipe
 
 GPU_SCRIPT = Path(variants.__file__).with_name("gpu_path.sh")
 
