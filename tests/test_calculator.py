@@ -74,7 +74,7 @@ def test_arithmetic_questions_are_a_question_stream(tmp_path):
                for s in samples)
 
 
-@pytest.mark.slow  # two GRPO steps of the tiny model on CPU, ~40 s
+# two GRPO steps of the tiny model on CPU: ~10 s, no server
 def test_two_grpo_steps_train_the_calculator_task_chosen_by_the_recipe(tiny_model_dir, tmp_path):
     from test_trainer import small_config, trainer_with_text_reward
 

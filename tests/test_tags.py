@@ -203,18 +203,19 @@ def test_the_vllm_generator_ends_a_turn_at_a_stop_string_keeping_every_token(vll
     assert (stopped.finish_reason, stopped.token_ids) == ("stop", free.token_ids[:end])
 
 
-@pytest.mark.slow  # a GRPO step of the tiny model on CPU, ~20 s
+# a GRPO step of the tiny model on CPU: ~10 s, no server
 def test_a_grpo_step_trains_the_tag_task_chosen_by_the_recipe(tiny_model_dir, questions_file, tmp_path):
     from test_trainer import small_config, trainer_with_text_reward
 
-    # the random tiny model writes no tag: every turn is an invalid action, answered with the paper's note
     args = small_config(tmp_path, questions_file, NOWHERE, task="search_r1_tags", generator="transformers",
                         max_turns=2, max_tokens_per_turn=8)
     trainer = trainer_with_text_reward(str(tiny_model_dir), args)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
 
     [step] = [entry for entry in trainer.state.log_history if "rollout/time_s" in entry]
     assert trainer.parts.task is TAGS and trainer.engine.transcript.stop == STOP
-    assert step["search/invalid_actions"] > 0 and step["search/searches"] == 0
-    assert step["rollout/status_truncated_max_turns"] + step["rollout/status_truncated_length"] == 1.0
-    assert "rubric/exact_match" in step and trainer.state.global_step == 1
+    # the random tiny model fills its 8 tokens with no tag: no search, no answer, a budget ends every rollout
+    assert step["rollout/status_truncated_length"] == 1.0 and step["rubric/truncated"] == 1.0
+    assert step["search/searches"] == 0 and "search/invalid_actions" in step
+    assert any(not p.detach().equal(before[name]) for name, p in trainer.model.named_parameters())
