@@ -36,10 +36,22 @@ def test_the_policy_flags_are_the_recipes_with_its_defaults():
     from searchr1_trl.training.recipe import KNOBS, SearchR1Config
 
     recipe = {f.name: f.default for f in fields(SearchR1Config) if KNOBS.get(f.name, ("",))[0] in
-              ("env", "rollout", "sampling")}
+              ("env", "rollout", "sampling") or f.name == "task"}
     assert {f.name: f.default for f in fields(eval_cli.PolicyConfig)} == recipe
     assert {"search_url", "topk", "restate_question", "max_turns", "bare_json_tool_calls",
             "max_tokens_per_turn"} <= set(recipe)
+
+
+def test_the_task_is_the_one_the_checkpoint_was_trained_on_unless_a_flag_names_another(tmp_path):
+    import json
+
+    from searchr1_trl.training.as_trained import RECIPE_FILE, policy_as_trained
+
+    (tmp_path / RECIPE_FILE).write_text(json.dumps({"task": "search_r1_tags", "max_turns": 3}))
+    policy, source = policy_as_trained([str(tmp_path)], eval_cli.PolicyConfig(), set())
+    assert (policy.task, policy.max_turns, source["trained"]["task"]) == ("search_r1_tags", 3, "search_r1_tags")
+    flagged, _ = policy_as_trained([str(tmp_path)], eval_cli.PolicyConfig(task="search_r1"), {"task"})
+    assert flagged.task == "search_r1"
 
 
 def test_the_sample_is_seeded_random_across_articles_and_a_larger_one_extends_a_smaller(offline_assets):

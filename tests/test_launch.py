@@ -15,7 +15,7 @@ import yaml
 from searchr1_trl.cli import launch as cli
 from searchr1_trl.serving.launch import Process, run_node
 from searchr1_trl.serving.processes import free_port
-from searchr1_trl.training.recipe import CONFIGS
+from searchr1_trl.training.loading import CONFIGS
 
 RECIPES = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
 
@@ -178,8 +178,8 @@ def test_a_multi_machine_launch_needs_each_machines_address(monkeypatch):
 
 
 def test_the_trainer_refuses_the_same_plan_the_launcher_does():
+    from searchr1_trl.training.loading import load_recipe
     from searchr1_trl.training.plan import PlanError, validate_plan
-    from searchr1_trl.training.recipe import load_recipe
 
     args, model_args = load_recipe(["--config", "qwen3_8b", "--use_cpu", "true", "--generator_gpus", "0"])
     with pytest.raises(PlanError, match=r"generator_gpus=\[0\] holds 1 GPUs but vllm_tensor_parallel_size=2"):

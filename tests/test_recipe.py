@@ -11,10 +11,11 @@ import pytest
 from searchr1_trl.assets import offline as assets
 from searchr1_trl.cli.train import main as train_main
 from searchr1_trl.training.experimental import async_rollouts
+from searchr1_trl.training.knobs import PARTS, WIRED
 from searchr1_trl.training.loading import CONFIGS, load_recipe, recipe_path, recipe_values
-from searchr1_trl.training.parts import PARTS, WIRED, build_task, part_config
+from searchr1_trl.training.parts import build_task
 from searchr1_trl.training.plan import PlanError, check_machine, validate_plan
-from searchr1_trl.training.recipe import KNOBS, SearchR1Config
+from searchr1_trl.training.recipe import KNOBS, SearchR1Config, part_config
 
 RECIPES = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
 

@@ -24,7 +24,8 @@ from test_trainer import RecordingStream, small_config
 from searchr1_trl.serving import weight_sync
 from searchr1_trl.tasks.common.data import SearchR1Dataset
 from searchr1_trl.training.checkpoints import CHECKPOINT_COMPLETE_FILE, checkpoint_problem
-from searchr1_trl.training.parts import build_task, part_config
+from searchr1_trl.training.parts import build_task
+from searchr1_trl.training.recipe import part_config
 from searchr1_trl.training.trainer import SearchR1Trainer
 
 ROOT = Path(__file__).resolve().parent.parent

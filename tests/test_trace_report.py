@@ -25,9 +25,10 @@ from searchr1_trl.cli import report as report_cli
 from searchr1_trl.report.folders import read_folder
 from searchr1_trl.report.page import render, write_report
 from searchr1_trl.report.traces import compare, page_trace
-from searchr1_trl.tasks.search_r1.env import INSTRUCTION, QUESTION_SEPARATOR, RESTATEMENT
-from searchr1_trl.tasks.search_r1.retrieval import passages_text
-from searchr1_trl.tasks.search_r1.rubric import final_answer
+from searchr1_trl.tasks.common.retrieval import passages_text
+from searchr1_trl.tasks.common.rubric import final_answer
+from searchr1_trl.tasks.common.search import QUESTION_SEPARATOR, RESTATEMENT
+from searchr1_trl.tasks.search_r1.env import INSTRUCTION
 from searchr1_trl.training import evaluation
 
 SOURCES = ("nq", "hotpotqa", "squad")

@@ -20,7 +20,8 @@ from searchr1_trl.serving.vllm_server import reload_weights
 from searchr1_trl.serving.weight_sync import save_for_reload, weight_push
 from searchr1_trl.tasks.common.data import SearchR1Dataset
 from searchr1_trl.training.as_trained import RECIPE_FILE, policy_as_trained
-from searchr1_trl.training.parts import build_task, part_config
+from searchr1_trl.training.parts import build_task
+from searchr1_trl.training.recipe import part_config
 from searchr1_trl.training.resume import STREAM_STATE_FILE
 from searchr1_trl.training.trainer import SearchR1Config, SearchR1Trainer
 

@@ -21,9 +21,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from searchr1_trl.cli.eval import PolicyConfig
-from searchr1_trl.tasks import TASKS, get_task
+from searchr1_trl.tasks import get_task
 from searchr1_trl.training import evaluation
-from searchr1_trl.training.parts import part_config
+from searchr1_trl.training.recipe import part_config
 
 
 @dataclass
@@ -31,8 +31,6 @@ class AskConfig:
     checkpoint: str = field(default="", metadata={"help": "Model folder, LoRA adapter folder or Hub id."})
     question: str | None = field(default=None, metadata={"help": "The question; none: read questions from stdin."})
     json: bool = field(default=False, metadata={"help": "Print one JSON object per question instead of text."})
-    task: str = field(default="search_r1", metadata={"help": f"The checkpoint's task: {', '.join(TASKS)}, or a module "
-                                                               "path."})
     method: str = field(default="agent", metadata={"help": f"One of {', '.join(evaluation.METHODS)} that the task "
                                                              "supports."})
     generator: str = field(
@@ -56,7 +54,7 @@ async def _answer(config: AskConfig, policy, questions) -> None:
     tokenizer = evaluation.policy_tokenizer(config.checkpoint)
     generator = evaluation.policy_generator(config.generator, config.checkpoint, tokenizer,
                                             url=config.vllm_server_base_url, dtype=config.dtype)
-    task = get_task(config.task)
+    task = get_task(policy.task)
     method = evaluation.build_method(config.method, task, tokenizer, generator, part_config(policy, "env"),
                                      part_config(policy, "rollout"))
     params = evaluation.greedy_params(policy.max_tokens_per_turn)
@@ -102,9 +100,9 @@ def main(argv: list[str] | None = None) -> None:
         config, policy = parser.parse_args_and_config(args=argv)
         if not config.checkpoint:
             raise ValueError("give --checkpoint (a model folder or Hub id; see --help)")
-        if config.method not in get_task(config.task).methods:
-            raise ValueError(f"method={config.method!r}; task {config.task} supports "
-                             f"{', '.join(get_task(config.task).methods)}")
+        if config.method not in get_task(policy.task).methods:
+            raise ValueError(f"method={config.method!r}; task {policy.task} supports "
+                             f"{', '.join(get_task(policy.task).methods)}")
         questions = [config.question] if config.question is not None else _stdin_questions()
         asyncio.run(_answer(config, policy, questions))
     except ValueError as error:

@@ -56,11 +56,17 @@ from searchr1_trl.tasks.common.data import SearchR1Dataset, SearchR1DatasetConfi
 from searchr1_trl.tasks.common.retrieval import check_retriever
 from searchr1_trl.training import evaluation
 from searchr1_trl.training.as_trained import given_fields, policy_as_trained
-from searchr1_trl.training.parts import part_config
-from searchr1_trl.training.recipe import knob_fields
+from searchr1_trl.training.recipe import knob_fields, part_config
 
-# The recipe's env, rollout and per-turn fields, with its names, defaults and help: the agent runs as it trained.
-PolicyConfig = knob_fields("PolicyConfig", ("env", "rollout", "sampling"))
+
+@dataclass
+class PolicyConfig(knob_fields("PolicyKnobs", ("env", "rollout", "sampling"))):
+    """How the policy runs, the recipe's settings under its names, defaults and help: the task and its env, rollout
+    and per-turn fields. A checkpoint's recorded recipe sets them (:func:`policy_as_trained`): it runs as it trained."""
+
+    task: str = field(default="search_r1",
+                      metadata={"help": f"The task the checkpoints were trained on: {', '.join(TASKS)}, or a module "
+                                        "path; by default the one their recipe records."})
 
 logger = logging.getLogger("searchr1-eval")
 
@@ -85,9 +91,6 @@ class EvalConfig:
         default=0,
         metadata={"help": "Skip this many questions of each seeded sample first: `--num_samples 500 --sample_offset "
                           "500` is a training recipe's report sample (eval_num_samples 500, report_num_samples 500)."})
-    task: str = field(
-        default="search_r1",
-        metadata={"help": f"The task the checkpoints were trained on: {', '.join(TASKS)}, or a module path."})
     methods: list[str] | None = field(
         default=None,
         metadata={"help": f"Any of {', '.join(evaluation.METHODS)} that the task supports; none: all it supports."})
@@ -107,11 +110,9 @@ class EvalConfig:
                                         "and every trace, browsable offline."})
 
     def __post_init__(self):
-        supported = get_task(self.task).methods
-        self.methods = self.methods or list(supported)
-        unknown = [m for m in self.methods if m not in supported]
+        unknown = [m for m in self.methods or () if m not in evaluation.METHODS]
         if unknown:
-            raise ValueError(f"methods {unknown}; task {self.task} supports any of {', '.join(supported)}")
+            raise ValueError(f"methods {unknown}; expected any of {', '.join(evaluation.METHODS)}")
         if self.generator not in ("vllm", "transformers"):
             raise ValueError(f"generator={self.generator!r}; expected 'vllm' or 'transformers'")
         if self.num_samples < 1:
@@ -168,8 +169,7 @@ def _check_settings(path: Path, settings: dict) -> None:
     folder was written was made at its default.
     """
     if path.exists():
-        recorded = {"task": EvalConfig.task, **{f.name: f.default for f in fields(PolicyConfig)},
-                    **json.loads(path.read_text())}
+        recorded = {**{f.name: f.default for f in fields(PolicyConfig)}, **json.loads(path.read_text())}
         changed = {k: (recorded.get(k), v) for k, v in settings.items() if recorded.get(k) != v}
         if changed:
             described = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
@@ -199,7 +199,7 @@ def check_services(config: EvalConfig, policy, pending: list[dict[str, list]]) -
     (health and a probe query) if a method with traces to generate searches, and the generator of every checkpoint
     with traces to generate (``pending[i]``: checkpoint i's missing traces by method). Without it, a retriever that
     was down turned every search into a finished trace with no passages."""
-    searches = get_task(config.task).needs_retriever and any(
+    searches = get_task(policy.task).needs_retriever and any(
         todo for work in pending for method, todo in work.items() if method != "direct")
     if searches:
         check_retriever(policy.search_url, policy.topk)
@@ -241,7 +241,7 @@ async def _evaluate_checkpoint(config: EvalConfig, policy, index: int,
         for name, todo in pending.items():
             if not todo:
                 continue
-            method = evaluation.build_method(name, get_task(config.task), tokenizer, generator, env_config,
+            method = evaluation.build_method(name, get_task(policy.task), tokenizer, generator, env_config,
                                              rollout_config)
             progress = tqdm(total=total, initial=total - len(todo), unit="question", dynamic_ncols=True,
                             desc=f"{name} {Path(checkpoint).name}")
@@ -262,13 +262,17 @@ async def _evaluate_checkpoint(config: EvalConfig, policy, index: int,
 
 def evaluate(config: EvalConfig, policy, source: dict[str, dict] | None = None) -> list[dict]:
     """Generate every missing trace, then write results.json and results.md (``source``: where the settings came
-    from, :func:`policy_as_trained`); returns the table rows."""
+    from, :func:`policy_as_trained`); returns the table rows. ``methods`` none: every one the task supports."""
+    supported = get_task(policy.task).methods
+    config = replace(config, methods=config.methods or list(supported))
+    if unsupported := [m for m in config.methods if m not in supported]:
+        raise ValueError(f"methods {unsupported}; task {policy.task} supports any of {', '.join(supported)}")
     questions = load_questions(config)
     per_source: dict[str, int] = defaultdict(int)
     for _, sample in questions:
         per_source[sample.data_source] += 1
     out = Path(config.output_dir)
-    _check_settings(out / SETTINGS_FILE, {"sample_seed": config.sample_seed, "task": config.task, **asdict(policy)})
+    _check_settings(out / SETTINGS_FILE, {"sample_seed": config.sample_seed, **asdict(policy)})
     traces = TraceFile(out / TRACES_FILE)
     try:
         pending = [{m: [(k, s) for k, s in questions if not _finished(traces.records.get((checkpoint, m, k)))]

@@ -52,7 +52,8 @@ def plan(argv: list[str]) -> tuple[list[Process], list[str]]:
 
     Reads the recipe through the recipe's own parser (typed, checked), which imports TRL: a launcher that lives as
     long as the run calls :func:`planned` instead, which plans in a child process."""
-    from searchr1_trl.training.recipe import part_config, recipe_path, recipe_values
+    from searchr1_trl.training.loading import recipe_path, recipe_values
+    from searchr1_trl.training.recipe import part_config
 
     options, overrides = parser().parse_known_args(argv)
     recipe = str(recipe_path(options.config))

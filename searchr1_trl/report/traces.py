@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
-from searchr1_trl.tasks.search_r1.rubric import normalize_answer, normalized_golds, passages_hold_gold, token_f1
+from searchr1_trl.tasks.common.rubric import normalize_answer, normalized_golds, passages_hold_gold, token_f1
 from searchr1_trl.training.evaluation import SEARCH_FAILED
 
 SNIPPET_CHARS = 240

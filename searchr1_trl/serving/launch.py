@@ -182,7 +182,7 @@ def accelerate_config_path(name: str) -> str:
 def plan_processes(plan: LaunchConfig, values: dict, recipe: str, overrides: list[str], hosts: list[str],
                    main_process_port: int = 29500, startup_timeout_s: float = 1800.0) -> list[Process]:
     """Every command of the plan, machine by machine. ``values``: the recipe's fields with the command line on top
-    (:func:`~searchr1_trl.training.recipe.recipe_values`); ``overrides``: that command line, passed on to the trainer
+    (:func:`~searchr1_trl.training.loading.recipe_values`); ``overrides``: that command line, passed on to the trainer
     after the launcher's own flags so it wins; ``hosts``: each machine's address (one machine: the recipe's URLs)."""
     if len(hosts) != plan.nodes:
         raise ValueError(f"{len(hosts)} host addresses for nodes={plan.nodes}; give one per machine (--hosts)")

@@ -16,8 +16,8 @@ from typing import Any
 from trl import ModelConfig, TrlParser
 
 from searchr1_trl.assets.offline import resolve_path
-from searchr1_trl.training.parts import PARTS, part_config
-from searchr1_trl.training.recipe import SearchR1Config
+from searchr1_trl.training.knobs import PARTS
+from searchr1_trl.training.recipe import SearchR1Config, part_config
 
 
 def _recipes_dir() -> Path:

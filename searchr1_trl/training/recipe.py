@@ -5,8 +5,8 @@ overrides (:mod:`searchr1_trl.training.loading`): TRL's ``GRPOConfig`` with the 
 asymmetric clipping 0.2 / 0.28, no KL and no reference model, group std-normalised advantages, AdamW at lr 1e-6 with 2
 warmup steps then constant, 8 prompts x 8 generations per optimizer step, temperature 1.0, top_p 1.0, 512 tokens per
 turn), the task to train (``task``), plus one flat field per knob of the parts it configures, declared with
-:func:`~searchr1_trl.training.parts.knob` (:data:`KNOBS` says which part each sets; :mod:`searchr1_trl.training.parts`
-builds them).
+:func:`~searchr1_trl.training.knobs.knob` (:data:`KNOBS` says which part each sets; :mod:`searchr1_trl.training.parts`
+builds them; :func:`part_config` gives one part's config as a recipe sets it).
 
 Fields of ``GRPOConfig`` that :class:`~searchr1_trl.training.trainer.SearchR1Trainer` must set itself
 (:data:`TRAINER_OWNED`) are left unset by a recipe; a recipe that sets one to another value than the trainer needs is
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
 from trl import GRPOConfig
@@ -28,7 +28,7 @@ from searchr1_trl.engine.generation import resolve_generator
 from searchr1_trl.tasks import TASKS, get_task
 from searchr1_trl.training.callbacks import KEEP_METRIC
 from searchr1_trl.training.experimental.staleness import IMPORTANCE_SAMPLING_MODES
-from searchr1_trl.training.parts import knob, knobs, owned
+from searchr1_trl.training.knobs import PARTS, knob, knobs, owned
 
 logger = logging.getLogger(__name__)
 
@@ -311,9 +311,15 @@ KNOBS: dict[str, tuple[str, str]] = knobs(SearchR1Config)
 
 def knob_fields(name: str, parts: tuple[str, ...]) -> type:
     """A dataclass of the recipe fields that set ``parts`` (same names, defaults and help), for commands that run a
-    policy the way training does (``searchr1-eval``, ``searchr1-ask``); ``part_config`` reads it like a recipe."""
+    policy the way training does (``searchr1-eval``, ``searchr1-ask``); :func:`part_config` reads it like a recipe."""
     hints = typing.get_type_hints(SearchR1Config)
     return make_dataclass(name, [
-        (f.name, hints[f.name], knob(*KNOBS[f.name]))
+        (f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
         for f in fields(SearchR1Config) if f.name in KNOBS and KNOBS[f.name][0] in parts
     ])
+
+
+def part_config(args, part: str) -> Any:
+    """The config of ``part`` as the recipe ``args`` sets it (a :class:`SearchR1Config`, or anything with its field
+    names): the part's defaults with every knob's recipe value."""
+    return replace(PARTS[part], **{name: getattr(args, flat) for flat, (p, name) in KNOBS.items() if p == part})

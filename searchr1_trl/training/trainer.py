@@ -1,26 +1,16 @@
 """SearchR1Trainer: TRL's GRPOTrainer with a task's question stream, multi-turn rollouts and rubric plugged in.
 
-Its one job is the plugging; each part it plugs in lives in a module of its own:
-
-- **the task** (``task``, :func:`~searchr1_trl.tasks.get_task`), through its :class:`~searchr1_trl.tasks.Task` and the
-  parts :func:`~searchr1_trl.training.parts.build_task` makes of it: an endless, seeded question stream drawn one
-  optimizer step at a time (:class:`~searchr1_trl.tasks.common.data.QuestionBatches`), so a resumed run continues the
-  exact question sequence, and a checkpoint is complete or ignored (:mod:`~searchr1_trl.training.resume`);
-- **rollouts** through TRL's ``rollout_func``: the :class:`~searchr1_trl.engine.rollout.RolloutEngine` drives one of
-  the task's environments per row's sample, its ``env_mask`` keeps tool tokens out of the loss, the
-  :class:`~searchr1_trl.tasks.common.rubric.Rubric` scores each from its own sample, and
-  :mod:`~searchr1_trl.training.records` writes down what a run needs of them;
-- **generator weights** pushed once per optimizer step, before its rollouts or a validation
-  (:mod:`searchr1_trl.serving.weight_sync`: NCCL, a folder the vLLM server reloads, or CUDA IPC); the in-process
-  generator uses the live model;
-- **validation**: greedy rollouts over a fixed held-out slice (:mod:`~searchr1_trl.training.evaluation`), the newest
-  validated checkpoint within noise of the best kept and a collapse stopped
-  (:class:`~searchr1_trl.training.callbacks.CollapseGuard`), NaN/inf steps skipped
-  (:class:`~searchr1_trl.training.callbacks.NonFiniteGradientGuard`);
-- **the update's levers**, off by default (:mod:`~searchr1_trl.training.update`), and **asynchronous rollouts**,
-  experimental (:mod:`searchr1_trl.training.experimental`);
-- **connections closed**: the rollout loop, the generator's and the environments' clients are opened by ``train()``
-  (or a standalone ``evaluate()``) and closed when it returns, also on an error.
+Its one job is the plugging; each part lives in a module of its own. The task (``task``) comes through its
+:class:`~searchr1_trl.tasks.Task` and :func:`~searchr1_trl.training.parts.build_task`: questions drawn one optimizer
+step at a time, so a resume continues the exact sequence (:mod:`~searchr1_trl.training.resume`). Rollouts go through
+TRL's ``rollout_func``: the :class:`~searchr1_trl.engine.rollout.RolloutEngine` drives one of the task's environments
+per row's sample (``env_mask`` keeps tool tokens out of the loss), the rubric scores each from its own sample, and
+:mod:`~searchr1_trl.training.records` keeps what a run needs of them. The generator gets the weights once per
+optimizer step (:mod:`searchr1_trl.serving.weight_sync`). Validation is greedy rollouts over a held-out slice
+(:mod:`~searchr1_trl.training.evaluation`), guarded by :mod:`~searchr1_trl.training.callbacks`; the update's levers
+are :mod:`~searchr1_trl.training.update`'s, asynchronous rollouts :mod:`searchr1_trl.training.experimental`'s. The
+rollout loop and the generator's and environments' clients open with ``train()`` (or a standalone ``evaluate()``)
+and close when it returns, also on an error.
 
 The private surface of TRL 1.16.0 and transformers 5.24.0 this package relies on (``tests/test_trl_surface.py``
 fails, naming the entry, when the installed versions are not the pinned ones or an entry is gone):
@@ -71,8 +61,8 @@ from searchr1_trl.training.callbacks import CollapseGuard, DivergentStepGuard, N
 from searchr1_trl.training.experimental import async_rollouts
 from searchr1_trl.training.experimental.staleness import StalenessCorrection
 from searchr1_trl.training.model_card import recipe_section, validation_em
-from searchr1_trl.training.parts import TaskParts, build_task, part_config
-from searchr1_trl.training.recipe import SearchR1Config
+from searchr1_trl.training.parts import TaskParts, build_task
+from searchr1_trl.training.recipe import SearchR1Config, part_config
 from searchr1_trl.training.resume import complete_checkpoint, resume_point
 from searchr1_trl.training.rows import with_placeholder_completion
 from searchr1_trl.training.update import (
