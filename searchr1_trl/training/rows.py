@@ -39,13 +39,13 @@ def overlong_prompts(samples: Sequence, envs, tokenizer, rollout: RolloutConfig)
         return sum(len(str(m.get("content") or "").encode()) for m in messages)
 
     emptied = [{**message, "content": ""} for message in envs().reset(samples[0])]
-    template_tokens = len(engine.render(emptied, add_generation_prompt=True)) + BOUNDARY_SLACK
+    template_tokens = len(engine.transcript.prompt(emptied)) + BOUNDARY_SLACK
     found = []
     for position, sample in enumerate(samples):
         messages = envs().reset(sample)
         if template_tokens + content_bytes(messages) < rollout.max_rollout_tokens:
             continue
-        tokens = len(engine.render(messages, add_generation_prompt=True))
+        tokens = len(engine.transcript.prompt(messages))
         if tokens >= rollout.max_rollout_tokens:
             found.append((position, tokens))
     return found
