@@ -2,7 +2,9 @@
 ran then and what each process held, reported at the end of every run.
 
 A CI machine has 24 GiB and other work beside the suite, so the peak is a property to keep, not a curiosity: with
-``SEARCHR1_SUITE_MEMORY_GIB`` set (``scripts/test.sh`` sets 14) a run whose peak exceeds it fails, naming the test.
+``SEARCHR1_SUITE_MEMORY_GIB`` set (``scripts/test.sh`` sets 13) a run whose peak exceeds it fails, naming the test.
+The summary is written last, after pytest's durations, so a CI log cut to its tail still shows it, with the
+:data:`TOP` tests of highest peak: the ones to look at before the next test pushes the suite over.
 Memory is PSS (``/proc/<pid>/smaps_rollup``): pages shared between the processes (a vLLM server's API process and its
 engine) count once, so the sum is what the tree takes from the machine; other sessions' processes are not in it.
 """
@@ -18,6 +20,7 @@ import pytest
 
 GIB = 2**30
 INTERVAL_S = 0.5
+TOP = 5
 
 
 def _pss(pid: int) -> int:
@@ -52,6 +55,7 @@ class SuiteMemory:
         self.root = psutil.Process(os.getpid())
         self.test = "collection"
         self.peak: tuple[int, str, dict[str, float]] = (0, "", {})
+        self.per_test: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="suite-memory", daemon=True)
 
@@ -67,12 +71,14 @@ class SuiteMemory:
         processes = [self.root, *self.root.children(recursive=True)]
         sizes = [(p, _pss(p.pid)) for p in processes]
         total = sum(size for _, size in sizes)
+        test = self.test
+        self.per_test[test] = max(self.per_test.get(test, 0), total)
         if total > self.peak[0]:
             breakdown: dict[str, float] = {}
             for process, size in sizes:
                 label = _label(process)
                 breakdown[label] = breakdown.get(label, 0.0) + size / GIB
-            self.peak = (total, self.test, breakdown)
+            self.peak = (total, test, breakdown)
 
     def _run(self) -> None:
         while not self._stop.wait(INTERVAL_S):
@@ -85,6 +91,10 @@ class SuiteMemory:
         total, test, breakdown = self.peak
         parts = ", ".join(f"{label} {gib:.2f}" for label, gib in sorted(breakdown.items(), key=lambda kv: -kv[1]))
         return f"suite memory peak: {total / GIB:.2f} GiB (PSS) during {test}: {parts}"
+
+    def top(self) -> list[str]:
+        ranked = sorted(self.per_test.items(), key=lambda kv: -kv[1])[:TOP]
+        return [f"  {size / GIB:5.2f} GiB  {test}" for test, size in ranked]
 
 
 _memory = SuiteMemory()
@@ -106,6 +116,10 @@ def pytest_sessionfinish(session, exitstatus):
         _memory.over = f"over SEARCHR1_SUITE_MEMORY_GIB={limit}"
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter):
     over = getattr(_memory, "over", None)
     terminalreporter.write_line(_memory.line() + (f" -- {over}" if over else ""), red=bool(over))
+    terminalreporter.write_line("tests of highest peak (PSS of the tree while each ran):")
+    for line in _memory.top():
+        terminalreporter.write_line(line)
