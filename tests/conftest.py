@@ -285,7 +285,17 @@ SERVER_FIXTURES = {"vllm_server", "retriever_server"}
 
 def pytest_collection_modifyitems(items):
     """Every test that needs a real server (directly or through another fixture) is ``slow``, so ``-m "not slow"``
-    boots none."""
+    boots none.
+
+    The modules that use the shared vLLM server run last, in their order: the server lives from its first user to
+    the end of the session, and the tests that start a vLLM server of their own (the CPU job, ZeRO-3) then run
+    before it, not beside it (two CPU engines and a trainer exceed the suite's memory bound, tests/suite_memory.py).
+    Whole modules move, so no module-scoped fixture is set up twice."""
+    shared = set()
     for item in items:
-        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if SERVER_FIXTURES & names:
             item.add_marker(pytest.mark.slow)
+        if "vllm_server" in names:
+            shared.add(item.module.__name__)
+    items.sort(key=lambda item: item.module.__name__ in shared)

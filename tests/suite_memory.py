@@ -40,8 +40,9 @@ def _label(process: psutil.Process) -> str:
         command = " ".join(process.cmdline())
     except psutil.Error:
         return "gone"
-    for needle, label in (("pytest", "pytest"), ("vllm", "vllm"), ("retriever_server", "retriever"),
-                          ("offline_job", "offline job"), ("train.py", "trainer"), ("cli.train", "trainer"),
+    # The specific before the general: a job's or trainer's command names the vLLM server it talks to.
+    for needle, label in (("pytest", "pytest"), ("retriever_server", "retriever"), ("offline_job", "offline job"),
+                          ("train.py", "trainer"), ("cli.train", "trainer"), ("vllm", "vllm"),
                           ("searchr1-", "console script")):
         if needle in command:
             return label

@@ -57,7 +57,7 @@ def run(venv: Path, *command: str, check: bool = True, env: dict | None = None,
 
 
 def test_the_package_and_its_recipes_come_from_the_wheel(venv):
-    found = run(venv, "python", "-c", "import searchr1_trl.training.recipe as r; print(r.__file__); print(r.CONFIGS)")
+    found = run(venv, "python", "-c", "import searchr1_trl.training.loading as r; print(r.__file__); print(r.CONFIGS)")
     module, recipes = found.stdout.split()
     assert module.startswith(str(venv)) and recipes.startswith(str(venv)) and recipes.endswith("recipes")
     assert (Path(recipes) / "qwen3_8b.yaml").is_file()
