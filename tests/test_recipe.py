@@ -154,6 +154,7 @@ def train_error(*argv: str) -> str:
     ("learning_rate: [1, 2]", "{recipe}: learning_rate: expected a number, got a list [1, 2]"),
     ("max_turns: -1", "expected max_turns >= 1, max_rollout_tokens >= 2 and step_timeout_s > 0, got -1"),
     ("max_turns: 2.5", "{recipe}: max_turns: expected an integer, got a number 2.5"),
+    ("weight_sync_timeout_s: 0", "recipe bad: weight_sync_timeout_s=0; expected seconds > 0"),
     ("restate_question: 3", "{recipe}: restate_question: expected true or false, got an integer 3"),
     ("max_turns: [1", "{recipe}: not valid YAML at line 3, column 1: expected ',' or ']', but got '<stream end>' "
                       "(while parsing a flow sequence at line 2)"),

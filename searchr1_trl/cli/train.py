@@ -8,7 +8,9 @@ Shipped recipes (``configs/`` in the repository, ``searchr1_trl/recipes`` in the
 offline, offline_gpu, qwen3_1_7b, qwen3_8b, qwen3_30b_a3b, muse_glimmer_30b; each ends with its plan (GPUs, machines,
 what the retriever serves), which ``searchr1-launch --config <recipe>`` starts: the generator and the retriever must
 be running. A recipe this machine cannot run stops in one line naming what is missing and what to run instead. A run
-holds its ``output_dir`` until it ends: a second run on the same folder is refused, naming the first.
+holds its ``output_dir`` until it ends: a second run on the same folder is refused, naming the first. A generator
+that stops answering (killed, or hung past ``generator_timeout_s`` / ``weight_sync_timeout_s``) stops the run in one
+line naming it and its URL.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
+from searchr1_trl.serving.vllm_server import GeneratorUnavailable
 from searchr1_trl.training.checkpoints import CheckpointSaveError, OutputDirLock, resume_checkpoint
 from searchr1_trl.training.loading import load_recipe, recipe_path, recipe_values
 from searchr1_trl.training.plan import PlanError, check_machine, validate_plan
@@ -50,7 +53,10 @@ def main(argv: list[str] | None = None) -> None:
             args.resume_from_checkpoint = resume_checkpoint(args.output_dir, args.resume_from_checkpoint)
         except ValueError as error:  # PlanError included
             sys.exit(f"error: {' '.join(str(error).split())}")
-        train(args, model_args)
+        try:
+            train(args, model_args)
+        except GeneratorUnavailable as error:  # a server started by hand was killed or hangs, at any point of a run
+            sys.exit(f"error: {error}")
 
 
 def train(args, model_args) -> None:

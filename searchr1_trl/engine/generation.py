@@ -34,6 +34,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from searchr1_trl.serving.vllm_server import GeneratorUnavailable
+
 FINISH_REASONS = ("stop", "length")
 
 
@@ -113,7 +115,13 @@ class VLLMServerGeneratorConfig:
                           "max_num_seqs on a GPU of 70 GiB or more; a lower cap (the earlier 256) keeps "
                           "vLLM's batches smaller than the rollouts waiting for a turn."},
     )
-    timeout_s: float = field(default=600.0, metadata={"help": "vLLM server generator: timeout of one request, in s."})
+    timeout_s: float = field(
+        default=600.0,
+        metadata={"help": "vLLM server generator: how long one request (a turn) may take, in s; a server that does not "
+                          "answer in time stops training in one line naming it. Long enough for a turn of "
+                          "max_tokens_per_turn queued behind max_concurrency others on a slow server; it bounds how "
+                          "long a hung server holds the run."},
+    )
 
 
 class VLLMServerGenerator(Generator):
@@ -169,13 +177,7 @@ class VLLMServerGenerator(Generator):
             payload.update(stop=list(params.stop), include_stop_str_in_output=True)
         url = f"{self.base_url}/v1/completions"
         async with slots:
-            try:
-                status, body = await _request(http, "POST", url, payload)
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-                # A pooled connection the server closed as idle (uvicorn's keep-alive is 5 s) fails on reuse;
-                # generation is idempotent, so send it once more on a fresh connection (seen on an H200 after the
-                # NCCL push between validation and the first training rollouts).
-                status, body = await _request(http, "POST", url, payload)
+            status, body = await self._ask(http, "POST", url, payload)
         if status != 200:
             raise RuntimeError(f"POST {url} failed with HTTP {status}: {_shown(body)}")
         return _generation_from_completion(json.loads(body), url)
@@ -189,13 +191,33 @@ class VLLMServerGenerator(Generator):
 
     async def _first_listed_model(self, http: aiohttp.ClientSession) -> str:
         url = f"{self.base_url}/v1/models"
-        status, body = await _request(http, "GET", url)
+        status, body = await self._ask(http, "GET", url)
         if status != 200:
             raise RuntimeError(f"GET {url} failed with HTTP {status}: {_shown(body)}")
         models = json.loads(body).get("data") or []
         if not models:
             raise RuntimeError(f"GET {url} lists no served model: {_shown(body)}")
         return models[0]["id"]
+
+    async def _ask(self, http: aiohttp.ClientSession, method: str, url: str,
+                   payload: dict | None = None) -> tuple[int, bytes]:
+        """(status, body) of one request, sent once more on a fresh connection if the first was dropped;
+        :class:`GeneratorUnavailable` if the server does not answer within ``timeout_s`` or cannot be reached."""
+        what = f"generation request ({method} {urlsplit(url).path})"
+        try:
+            try:
+                return await _request(http, method, url, payload)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                # A pooled connection the server closed as idle (uvicorn's keep-alive is 5 s) fails on reuse;
+                # generation is idempotent, so send it once more on a fresh connection (seen on an H200 after the
+                # NCCL push between validation and the first training rollouts).
+                return await _request(http, method, url, payload)
+        except asyncio.TimeoutError:
+            raise GeneratorUnavailable.timed_out(what, self.base_url, self.timeout_s, "generator_timeout_s") from None
+        except aiohttp.ClientError as error:
+            if isinstance(error, aiohttp.ClientConnectorError):  # its OS error: the URL is named already
+                raise GeneratorUnavailable.lost(what, self.base_url, error.os_error, connecting=True) from None
+            raise GeneratorUnavailable.lost(what, self.base_url, error, connecting=False) from None
 
     def _client(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         """The pooled HTTP session and the in-flight bound of the running event loop."""

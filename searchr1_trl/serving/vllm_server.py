@@ -231,51 +231,84 @@ def cpu_build() -> bool:
         return False
 
 
-def _post(base_url: str, path: str, timeout_s: float, **request) -> httpx.Response:
-    """``POST base_url + path`` (an HTTP error raises), for the dev-mode routes a push drives."""
-    with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
-        response = client.post(path, **request)
+# How long each request of a weight push (reload, prefix-cache reset, pause, resume) may wait for the generator: the
+# recipe's weight_sync_timeout_s, whose help says why.
+WEIGHT_SYNC_TIMEOUT_S = 300.0
+
+
+class GeneratorUnavailable(RuntimeError):
+    """The generator server (``trl vllm-serve`` / ``vllm serve`` at ``vllm_server_base_url``) refused or dropped a
+    request, or did not answer it in time: what a server that was killed or hangs looks like to its clients. Expected
+    where a server is started by hand, so ``searchr1-train`` stops on it with this one line, not a traceback."""
+
+    def __init__(self, what: str, url: str, cause: str, setting: str | None = None):
+        slow = f", and raise {setting} if it is only slow" if setting else ""
+        super().__init__(f"{what} failed: the generator at {url} {cause}. Is it running? See its log{slow}")
+
+    @classmethod
+    def timed_out(cls, what: str, url: str, timeout_s: float, setting: str) -> GeneratorUnavailable:
+        return cls(what, url, f"did not answer within {timeout_s:g} s", setting)
+
+    @classmethod
+    def lost(cls, what: str, url: str, error: Exception, connecting: bool) -> GeneratorUnavailable:
+        """``error`` (on one line) of a connection that could not be made (``connecting``) or was dropped."""
+        detail = " ".join(str(error).split()) or type(error).__name__
+        return cls(what, url, f"{'could not be reached' if connecting else 'dropped the connection'} ({detail})")
+
+
+def _post(base_url: str, path: str, timeout_s: float, what: str, **request) -> httpx.Response:
+    """``POST base_url + path`` (an HTTP error raises), for the dev-mode routes a push drives; no answer within
+    ``timeout_s``, a refused or a dropped connection raise :class:`GeneratorUnavailable` naming ``what``."""
+    try:
+        with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
+            response = client.post(path, **request)
+    except httpx.TimeoutException:
+        raise GeneratorUnavailable.timed_out(what, base_url, timeout_s, "weight_sync_timeout_s") from None
+    except httpx.TransportError as error:
+        raise GeneratorUnavailable.lost(what, base_url, error, isinstance(error, httpx.ConnectError)) from None
     response.raise_for_status()
     return response
 
 
-def collective_rpc(base_url: str, method: str, timeout_s: float = 300.0, **request) -> None:
+def collective_rpc(base_url: str, method: str, timeout_s: float = WEIGHT_SYNC_TIMEOUT_S, **request) -> None:
     """Call worker ``method`` on every worker of the server (``POST /collective_rpc``, ``args``/``kwargs`` in
     ``request``); a worker that answers ``{"error": ...}`` (as
     :class:`~searchr1_trl.serving.weight_sync.IpcWeightLoader`
     does, so a bad push never takes the engine down) raises it."""
-    response = _post(base_url, "/collective_rpc", timeout_s, json={"method": method, **request})
+    response = _post(base_url, "/collective_rpc", timeout_s, f"weight push (POST /collective_rpc {method})",
+                     json={"method": method, **request})
     results = response.json().get("results", []) if response.content else []
     errors = [r["error"] for r in results if isinstance(r, dict) and r.get("error")]
     if errors:
         raise RuntimeError(f"the vLLM server at {base_url} failed {method}: {errors[0]}")
 
 
-def reload_weights(base_url: str, folder: str | os.PathLike, timeout_s: float = 300.0) -> None:
+def reload_weights(base_url: str, folder: str | os.PathLike, timeout_s: float = WEIGHT_SYNC_TIMEOUT_S) -> None:
     """Make the server load the safetensors in ``folder`` in place, then forget KV computed with the old weights."""
     collective_rpc(base_url, "reload_weights", timeout_s, kwargs={"weights_path": str(folder)})
     reset_prefix_cache(base_url, timeout_s)
 
 
-def reset_prefix_cache(base_url: str, timeout_s: float = 300.0) -> None:
+def reset_prefix_cache(base_url: str, timeout_s: float = WEIGHT_SYNC_TIMEOUT_S) -> None:
     """Drop every KV block the server holds, also those of requests in flight: those are preempted and recompute
     their KV when they are next scheduled (vLLM's ``reset_running_requests``), so after a push no token attends to
     KV of the old weights. A server that keeps blocks anyway is an error, not a warning."""
-    response = _post(base_url, "/reset_prefix_cache", timeout_s, params={"reset_running_requests": "true"})
+    response = _post(base_url, "/reset_prefix_cache", timeout_s, "prefix-cache reset (POST /reset_prefix_cache)",
+                     params={"reset_running_requests": "true"})
     if response.json().get("success") is False:
         raise RuntimeError(f"the vLLM server at {base_url} did not reset its prefix cache (blocks still held): KV "
                            "computed with the old weights would be reused")
 
 
-def pause_generation(base_url: str, timeout_s: float = 300.0) -> None:
+def pause_generation(base_url: str, timeout_s: float = WEIGHT_SYNC_TIMEOUT_S) -> None:
     """Freeze the server's requests where they are (vLLM's ``POST /pause?mode=keep``): none is aborted, none is
     scheduled until :func:`resume_generation`; new requests queue."""
-    _post(base_url, "/pause", timeout_s, params={"mode": "keep"})
+    _post(base_url, "/pause", timeout_s, "pause before a weight push (POST /pause)", params={"mode": "keep"})
 
 
-def resume_generation(base_url: str, timeout_s: float = 300.0) -> None:
+def resume_generation(base_url: str, timeout_s: float = WEIGHT_SYNC_TIMEOUT_S) -> None:
     """Let the requests :func:`pause_generation` froze go on (``POST /resume``)."""
-    _post(base_url, "/resume", timeout_s)
+    _post(base_url, "/resume", timeout_s, "resume after a weight push (POST /resume)")
 
 
 def register_cpu_alias(version: str = "0.28.0+cpu") -> Path:

@@ -46,6 +46,7 @@ import torch
 
 from searchr1_trl.serving.vllm_server import (
     IPC_WORKER_EXTENSION,  # noqa: F401 (re-exported: the class it names lives here)
+    WEIGHT_SYNC_TIMEOUT_S,
     collective_rpc,
     cpu_build,
     pause_generation,
@@ -69,28 +70,30 @@ class NcclPush:
     client, on the main process). Like every push here it ends with :func:`reset_prefix_cache`, which also drops the
     KV of requests in flight (TRL's own reset keeps theirs)."""
 
-    def __init__(self, vllm_generation):
-        self.vllm_generation = vllm_generation
+    def __init__(self, vllm_generation, timeout_s: float = WEIGHT_SYNC_TIMEOUT_S):
+        self.vllm_generation, self.timeout_s = vllm_generation, timeout_s
 
     def push(self, model: torch.nn.Module) -> None:
         self.vllm_generation.sync_weights()
         client = getattr(self.vllm_generation, "vllm_client", None)
         if client is not None:
-            reset_prefix_cache(client.base_url)
+            reset_prefix_cache(client.base_url, self.timeout_s)
 
 
 class ReloadPush:
     """Safetensors through ``folder``, reloaded by the server at ``server_url``; ``dtype`` (e.g. ``"bfloat16"``,
     what a GPU server runs) rounds what is written, None writes the trainer's dtype."""
 
-    def __init__(self, accelerator, server_url: str, folder: str | Path, dtype: str | None = None):
+    def __init__(self, accelerator, server_url: str, folder: str | Path, dtype: str | None = None,
+                 timeout_s: float = WEIGHT_SYNC_TIMEOUT_S):
         self.accelerator, self.server_url, self.folder = accelerator, server_url, Path(folder)
+        self.timeout_s = timeout_s
         self.dtype = getattr(torch, dtype) if dtype else None
 
     def push(self, model: torch.nn.Module) -> None:
         self.save(model)
         if self.accelerator.is_main_process:
-            reload_weights(self.server_url, self.folder)
+            reload_weights(self.server_url, self.folder, self.timeout_s)
             # Loaded: the folder has done its job, and on tmpfs it is memory until deleted.
             shutil.rmtree(self.folder, ignore_errors=True)
         self.accelerator.wait_for_everyone()
@@ -109,7 +112,8 @@ class IpcPush:
     one trainer process without DeepSpeed (the one-GPU recipes); the server needs
     ``--worker-extension-cls`` :data:`IPC_WORKER_EXTENSION` (``VLLMServerConfig.worker_extension_cls``)."""
 
-    def __init__(self, accelerator, server_url: str, dtype: str | None = "bfloat16", timeout_s: float = 300.0):
+    def __init__(self, accelerator, server_url: str, dtype: str | None = "bfloat16",
+                 timeout_s: float = WEIGHT_SYNC_TIMEOUT_S):
         self.accelerator, self.server_url, self.timeout_s = accelerator, server_url, timeout_s
         self.dtype = getattr(torch, dtype) if dtype else None
 
@@ -172,18 +176,18 @@ class PausedPush:
     lets them go on. Their tokens after the push come from the new weights; the behaviour log-probs vLLM returns per
     token are those of the weights that sampled it, so the importance weight of the asynchronous mode stays exact."""
 
-    def __init__(self, inner: WeightPush, accelerator, server_url: str):
-        self.inner, self.accelerator, self.server_url = inner, accelerator, server_url
+    def __init__(self, inner: WeightPush, accelerator, server_url: str, timeout_s: float = WEIGHT_SYNC_TIMEOUT_S):
+        self.inner, self.accelerator, self.server_url, self.timeout_s = inner, accelerator, server_url, timeout_s
 
     def push(self, model: torch.nn.Module) -> None:
         main = self.accelerator.is_main_process
         if main:
-            pause_generation(self.server_url)
+            pause_generation(self.server_url, self.timeout_s)
         try:
             self.inner.push(model)
         finally:
             if main:
-                resume_generation(self.server_url)
+                resume_generation(self.server_url, self.timeout_s)
         self.accelerator.wait_for_everyone()
 
 
@@ -194,7 +198,7 @@ def weight_push(args, accelerator, vllm_generation=None) -> WeightPush:
         if vllm_generation is None:
             raise ValueError(f"weight_sync='nccl' needs TRL's vLLM client (use_vllm with generator='vllm'), got "
                              f"generator={args.generator!r}")
-        return NcclPush(vllm_generation)
+        return NcclPush(vllm_generation, args.weight_sync_timeout_s)
     if args.weight_sync == "ipc":
         deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
         if accelerator.device.type != "cuda":  # else the first push fails, in the server's words
@@ -204,8 +208,10 @@ def weight_push(args, accelerator, vllm_generation=None) -> WeightPush:
             raise ValueError("weight_sync='ipc' pushes from one trainer process without DeepSpeed to a server on "
                              f"its GPU (here {accelerator.num_processes} processes, DeepSpeed {deepspeed}); use "
                              "weight_sync='nccl'")
-        return IpcPush(accelerator, args.generator_url, args.weight_sync_dtype or "bfloat16")
-    return ReloadPush(accelerator, args.generator_url, reload_folder(args), args.weight_sync_dtype)
+        return IpcPush(accelerator, args.generator_url, args.weight_sync_dtype or "bfloat16",
+                       args.weight_sync_timeout_s)
+    return ReloadPush(accelerator, args.generator_url, reload_folder(args), args.weight_sync_dtype,
+                      args.weight_sync_timeout_s)
 
 
 def warn_stale_tied_head(model: torch.nn.Module) -> None:

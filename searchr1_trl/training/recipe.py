@@ -25,6 +25,7 @@ from trl import GRPOConfig
 
 from searchr1_trl.assets.offline import resolve_path
 from searchr1_trl.engine.generation import resolve_generator
+from searchr1_trl.serving.vllm_server import WEIGHT_SYNC_TIMEOUT_S
 from searchr1_trl.tasks import TASKS, get_task
 from searchr1_trl.training.callbacks import KEEP_METRIC
 from searchr1_trl.training.experimental.staleness import IMPORTANCE_SAMPLING_MODES
@@ -216,6 +217,13 @@ class SearchR1Config(GRPOConfig):
                           "runs: half the bytes of fp32 master weights); None: the trainer's dtype for reload, "
                           "bfloat16 for ipc."},
     )
+    weight_sync_timeout_s: float = field(
+        default=WEIGHT_SYNC_TIMEOUT_S,
+        metadata={"help": "How long each request of a weight push (reload, prefix-cache reset, pause, resume) waits "
+                          "for the vLLM server, in s; then training stops in one line naming the server. 300 s: the "
+                          "pushes measured on GPU take 0.1-3 s (experiments/results), the margin is for a large "
+                          "model's weights read from a slow disk; it bounds how long a hung server holds the run."},
+    )
     generator_max_concurrency: int = knob("vllm_generator", "max_concurrency")
     generator_timeout_s: float = knob("vllm_generator", "timeout_s")
     generator_max_batch_size: int = knob("transformers_generator", "max_batch_size")
@@ -246,6 +254,8 @@ class SearchR1Config(GRPOConfig):
                              "in [0, 1]")
         if self.weight_sync not in ("reload", "nccl", "ipc"):
             raise ValueError(f"weight_sync={self.weight_sync!r}; expected 'reload', 'nccl' or 'ipc'")
+        if not self.weight_sync_timeout_s > 0:
+            raise ValueError(f"weight_sync_timeout_s={self.weight_sync_timeout_s!r}; expected seconds > 0")
         # TRL reads these two only in a step (an unknown mode fails there, a threshold <= 0 drops every rollout with
         # a negative advantage): checked here, before a warm start and a validation have run
         if self.vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:

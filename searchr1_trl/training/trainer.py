@@ -130,7 +130,8 @@ class SearchR1Trainer(GRPOTrainer):
             self.weight_push = async_rollouts.SnapshotPush(self.accelerator.unwrap_model(self.model))
             self.engine.generator.model = self.weight_push.model
         elif args.in_flight_rollouts == "pause":
-            self.weight_push = PausedPush(self.weight_push, self.accelerator, args.generator_url)
+            self.weight_push = PausedPush(self.weight_push, self.accelerator, args.generator_url,
+                                          args.weight_sync_timeout_s)
 
     # ---- policy update -----------------------------------------------------------------------------------------
 

@@ -162,7 +162,7 @@ def warm_start(args, model_args, parts) -> str:
         trainer.model = trainer.model.merge_and_unload()
     trainer.save_model(str(output_dir))  # with the tokenizer and the model's generation config
     if trainer.accelerator.is_main_process and args.generator == "vllm" and args.weight_sync == "reload":
-        reload_weights(args.generator_url, output_dir)
+        reload_weights(args.generator_url, output_dir, args.weight_sync_timeout_s)
     trainer.accelerator.wait_for_everyone()
     del trainer
     return str(output_dir)
