@@ -20,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ["tests/test_reliability_rollout.py", "tests/test_reliability_server.py", "tests/test_reliability_client.py",
-         "tests/test_reliability_training.py", "tests/test_reliability_processes.py"]
+         "tests/test_reliability_training.py", "tests/test_reliability_processes.py",
+         "tests/test_reliability_generator.py"]
 
 
 def rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
@@ -47,6 +48,7 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
     stopped = f["children_stopped_after_a_signal_to_the_job_s"]
     bounds = f["server_input_bounds"]
     resumed = f["resume_past_a_damaged_checkpoint_2"]
+    hung, stopped_by_generator = f["hung_generator_s"], f["generator_lost_in_training"]
     return [
         ("other rollouts lost per malformed turn", "0",
          f"{lost} (over {len(malformed)} malformed-turn shapes x 7 rollouts beside each; {f['rollout_fuzz']['control_lost']} "
@@ -122,6 +124,16 @@ def _rows(f: dict) -> list[tuple[str, str, str, bool, str]]:
          "is in use by another run" in f["second_run_on_a_held_output_dir"],
          "test_reliability_training: test_a_second_run_on_an_output_dir_in_use_is_refused_in_one_line_naming_the_"
          "first"),
+        ("a generator hung (timeouts set to 2 s)", "stops what waits on it within 10 s, naming the setting to raise",
+         "stopped after " + ", ".join(f"{call} {s:.1f} s" for call, s in sorted(hung.items())),
+         len(hung) == 3 and max(hung.values()) < 10,
+         "test_reliability_generator: test_a_hung_generator_fails_the_call_after_its_timeout_naming_it_and_the_"
+         "setting, test_training_stops_in_one_line_naming_the_generator_when_it_is_killed_or_hangs"),
+        ("a generator killed or hung during training", "training stops in one line naming the generator and its URL",
+         "; ".join(f"{fault}: {line}" for fault, line in sorted(stopped_by_generator.items())),
+         len(stopped_by_generator) == 2 and all(line.startswith("error: ") and "the generator at http://" in line
+                                               for line in stopped_by_generator.values()),
+         "test_reliability_generator: test_training_stops_in_one_line_naming_the_generator_when_it_is_killed_or_hangs"),
     ]
 
 
@@ -153,6 +165,7 @@ FINDINGS = """\
 | `build_index` on a bad corpus: tracebacks naming neither file nor line | UTF-8 validated, null contents refused; the first bad line named by file and line | `tests/test_retriever_index.py`: `test_build_index_names_the_file_and_line_of_a_bad_corpus_in_one_line[*]` |
 | unbounded headers (1 MiB, 5,000 headers: 200), header waits (75 s+), responses (270 MB for a 27 KB request) | `max_header_bytes` (431), `header_timeout_s` (408), `max_response_bytes` (413, weighed before the passages are read) | the three server-bound tests above |
 | bad recipe values and data files give tracebacks; `golden_answers: [""]` accepted | one YAML reader checks syntax, mapping and each value's type; each part's checks run at load; the plan reads local data files row by row; blank answers refused | `tests/test_recipe.py`: `test_a_bad_recipe_value_or_yaml_*`, `test_a_recipe_that_is_no_mapping_*`, `test_a_bad_data_file_*` |
+| a generator started by hand, killed: a raw `httpx.ConnectError` / aiohttp error in 2.4-6.6 s; hung: 306.7 s, then `httpx.ReadTimeout` (the push's fixed 300 s), or up to `generator_timeout_s` (600 s) a request, then a bare `TimeoutError` | every request to the generator raises `GeneratorUnavailable` on a refused or dropped connection or no answer in time, one line naming what failed, the generator's URL and the setting to raise; `searchr1-train` exits with it; the push timeout is the recipe's `weight_sync_timeout_s` | `tests/test_reliability_generator.py`: `test_a_killed_generator_*[*]`, `test_a_hung_generator_*[*]`, `test_training_stops_in_one_line_naming_the_generator_*[*]` |
 """
 
 
