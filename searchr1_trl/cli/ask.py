@@ -21,6 +21,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from searchr1_trl.cli.eval import PolicyConfig
+from searchr1_trl.serving.vllm_server import GeneratorUnavailable
 from searchr1_trl.tasks import get_task
 from searchr1_trl.training import evaluation
 from searchr1_trl.training.recipe import part_config
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                              f"{', '.join(get_task(policy.task).methods)}")
         questions = [config.question] if config.question is not None else _stdin_questions()
         asyncio.run(_answer(config, policy, questions))
-    except ValueError as error:
+    except (ValueError, GeneratorUnavailable) as error:
         sys.exit(f"error: {error}")
 
 

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from searchr1_trl.cli.eval_results import TraceFile, markdown_table, results
+from searchr1_trl.serving.vllm_server import GeneratorUnavailable
 from searchr1_trl.tasks import TASKS, get_task
 from searchr1_trl.tasks.common.data import SearchR1Dataset, SearchR1DatasetConfig, SearchR1Sample, load_samples
 from searchr1_trl.tasks.common.retrieval import check_retriever
@@ -316,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         rows = evaluate(config, policy, source)
     except ValueError as error:
         sys.exit(f"error: {error}")
+    except GeneratorUnavailable as error:  # lost mid-run: the traces written so far stay, a rerun resumes after them
+        sys.exit(f"error: {error}; rerun the same command once it serves again to resume")
     out = Path(config.output_dir)
     print((out / RESULTS_MD).read_text(), end="")
     print(f"{len(rows)} rows; traces, JSON and table in {out}")
