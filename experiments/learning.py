@@ -130,9 +130,12 @@ def runs(out: Path) -> list[dict]:
 def _record(meta: dict, finished: bool, evals: list[dict], steps: int, best_step: int | None,
             runtime: float | None, train_searches: dict | None) -> dict:
     by_step = {e["step"]: e for e in evals}
-    start, last = by_step[min(by_step)], by_step[max(by_step)]
-    chosen = by_step.get(best_step, last)
+    start = by_step[min(by_step)]
     prefix = "report" if start.get("report_em") is not None else "eval"
+    # with report_at ends the report sample has figures at the ends only (the saved model's joined to its step)
+    scored = [step for step, e in by_step.items() if e.get(f"{prefix}_em") is not None]
+    last = by_step[max(scored)]
+    chosen = by_step.get(best_step, last)
     learned = ("searches_per_rollout", "second_query_rate", "first_search_missed", "em_first_search_missed")
     return {
         **meta, "finished": finished, "steps": steps, "train_runtime_s": runtime, "best_step": best_step,
@@ -140,7 +143,7 @@ def _record(meta: dict, finished: bool, evals: list[dict], steps: int, best_step
         "em": {"start": start.get(f"{prefix}_em"), "last": last.get(f"{prefix}_em"),
                "chosen": chosen.get(f"{prefix}_em")},
         "last_step": last["step"],
-        "em_by_step": {e["step"]: e.get(f"{prefix}_em") for e in evals},
+        "em_by_step": {step: by_step[step][f"{prefix}_em"] for step in scored},
         "eval_em": {"start": start.get("eval_em"), "last": last.get("eval_em"), "chosen": chosen.get("eval_em")},
         "learned": {key: chosen.get(f"{prefix}_{key}") for key in learned},
         "learned_start": {key: start.get(f"{prefix}_{key}") for key in learned},
@@ -166,7 +169,7 @@ def report(out: Path, baseline: str | None = None) -> dict:
     for variant in dict.fromkeys(r["variant"] for r in records):
         done = [r for r in records if r["variant"] == variant and r["finished"] and r["em"]["start"] is not None]
         gains_last = [r["em"]["last"] - r["em"]["start"] for r in done]
-        gains_chosen = [r["em"]["chosen"] - r["em"]["start"] for r in done]
+        gains_chosen = [r["em"]["chosen"] - r["em"]["start"] for r in done if r["em"]["chosen"] is not None]
         table[variant] = {
             "flags": next(r["flags"] for r in records if r["variant"] == variant),
             "sample": "/".join(dict.fromkeys(r["sample"] for r in done)) or "-",
@@ -174,7 +177,7 @@ def report(out: Path, baseline: str | None = None) -> dict:
                                                                if r["variant"] == variant and not r["finished"]],
             "warm_start": _spread([r["em"]["start"] for r in done]),
             "last": _spread([r["em"]["last"] for r in done]),
-            "chosen": _spread([r["em"]["chosen"] for r in done]),
+            "chosen": _spread([r["em"]["chosen"] for r in done if r["em"]["chosen"] is not None]),
             "gain_last": _spread(gains_last), "gain_chosen": _spread(gains_chosen),
             "train_runtime_s": _spread([r["train_runtime_s"] for r in done if r["train_runtime_s"] is not None]),
             "steps": sorted({r["steps"] for r in done}),
@@ -194,9 +197,10 @@ def report(out: Path, baseline: str | None = None) -> dict:
             continue
         em, learned = r["em"], r["learned"]
         sample = r["sample"] if r["finished"] else f"{r['sample']} (unfinished: evaluated to step {r['last_step']})"
+        gain_chosen = "-" if em["chosen"] is None else f"{em['chosen'] - em['start']:+.3f}"
         print(f"| {r['variant']} | `{r['flags']}` | {r['seed']} | {sample} | {fmt(em['start'])} | "
               f"{fmt(em['last'])} | {fmt(em['chosen'])} ({r['best_step']}) | {em['last'] - em['start']:+.3f} | "
-              f"{em['chosen'] - em['start']:+.3f} | {fmt(learned['searches_per_rollout'])} | "
+              f"{gain_chosen} | {fmt(learned['searches_per_rollout'])} | "
               f"{fmt(learned['second_query_rate'])} | {fmt(learned['em_first_search_missed'])} | "
               f"{fmt(r['train_runtime_s'], 1)} |")
     print()

@@ -130,6 +130,50 @@ def time_split(history: list[dict], rollouts_per_step: int) -> dict[str, float]:
     }
 
 
+def fixed_costs(history: list[dict]) -> dict[str, float | int | None]:
+    """Seconds a run spends outside its optimizer steps: the trainer's start-up (process start to the first step,
+    the warm start and the step-0 validation included) and the warm start's share, the first validation, the
+    validations' count and total seconds (with the report sample's rollouts on their own: after a validation that
+    decided to stop, and on the saved model after training), and the last of those."""
+    startup = next((e for e in history if "time/startup_s" in e), {})
+    each = [e["eval_runtime"] for e in history if "eval_runtime" in e]
+    alone = sum(e["report_runtime"] for e in history if "report_runtime" in e)
+    saved = sum(e["saved_report_runtime"] for e in history if "saved_report_runtime" in e)
+
+    def seconds(value: float | None) -> float | None:
+        return None if value is None else round(value, 1)
+
+    return {"startup_s": seconds(startup.get("time/startup_s")),
+            "warm_start_s": seconds(startup.get("time/warm_start_s")),
+            "first_validation_s": seconds(each[0]) if each else None, "validations": len(each),
+            "validation_s": seconds(sum(each) + alone + saved), "saved_report_s": seconds(saved)}
+
+
+def validations(history: list[dict], best_step: int | None) -> dict:
+    """Each validation's figures (``eval_*``, ``report_*``) by step, the report EM by step, and the step and report EM
+    of the model the run saved (``best_step``, the checkpoint training ended on; None: the last). With ``report_at:
+    ends`` the report sample is rolled out on its own where a validation decided to stop (``report_*``, logged after
+    it) and on the checkpoint training ended on, after training (``saved_report_*``, ``saved_report_step``): each joins
+    the validation of the same weights as its ``report_*``."""
+    evals = [{k: v for k, v in e.items() if k.startswith(("eval_", "report_")) or k == "step"}
+             for e in history if "eval_em" in e]
+    by_step = {entry["step"]: entry for entry in evals}
+    for entry in history:
+        if "saved_report_step" in entry:  # the checkpoint training ended on, after training
+            step, prefix = entry["saved_report_step"], "saved_report_"
+        elif "report_em" in entry and "eval_em" not in entry:  # the step whose validation decided to stop
+            step, prefix = entry["step"], "report_"
+        else:
+            continue
+        if step in by_step:
+            by_step[step].update({key.removeprefix("saved_"): value for key, value in entry.items()
+                                  if key.startswith(prefix) and key != "saved_report_step"})
+    report = {e["step"]: e["report_em"] for e in evals if "report_em" in e}
+    saved_step = best_step if best_step is not None else max((e["step"] for e in evals), default=None)
+    return {"evals": evals, "report_em_by_step": report, "saved_step": saved_step,
+            "saved_report_em": report.get(saved_step)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="offline", help="recipe in configs/ (offline or offline_gpu)")
@@ -182,7 +226,8 @@ def main() -> None:
     state = json.loads((out / "trainer_state.json").read_text())
     history = state["log_history"]
     plot(history, out / "curves.png")
-    evals = [e for e in history if "eval_em" in e]
+    validated = validations(history, state.get("best_global_step"))
+    evals = validated["evals"]
     summary = {
         "em_before": evals[0]["eval_em"] if evals else None, "em_after": evals[-1]["eval_em"] if evals else None,
         "steps": max(e["step"] for e in history), "wall_time_s": round(time.monotonic() - start),
@@ -192,12 +237,12 @@ def main() -> None:
         "eval_em_by_step": {e["step"]: e["eval_em"] for e in evals},
         # the checkpoint training ended on (the collapse guard's choice by validation EM; None: the last step)
         "best_step": state.get("best_global_step"), "best_eval_em": state.get("best_metric"),
-        "report_em_by_step": {e["step"]: e["report_em"] for e in evals if "report_em" in e},
-        "evals": [{k: v for k, v in e.items() if k.startswith(("eval_", "report_")) or k == "step"} for e in evals],
+        **validated,  # evals, report_em_by_step, saved_step, saved_report_em: the figure to report
         "train_searches_by_step": {e["step"]: e["rollout/searches_per_rollout"] for e in history
                                    if "rollout/searches_per_rollout" in e},
         "train_runtime_s": next((e["train_runtime"] for e in history if "train_runtime" in e), None),
         "per_step_s": time_split(history, rollouts_per_step=rollouts_per_step(recipe, overrides)),
+        "fixed_costs": fixed_costs(history),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     pd.DataFrame(history).to_csv(out / "log_history.csv", index=False)

@@ -1,10 +1,14 @@
 """The collapse guard: a scripted collapse stops training, which ends on the newest validated checkpoint within noise
 of the best (step 0 included); without a collapse it keeps the last step unless an earlier one beats it by more than
-the noise; training-side signals ask for a validation; dynamic sampling drops groups without reward spread."""
+the noise; training-side signals ask for a validation; dynamic sampling drops groups without reward spread. Beside it,
+the report sample rolled out where its figure is read (``report_at``): the first validation, the step training stops
+at and the model it ends on."""
 
 from __future__ import annotations
 
+import json
 import logging
+from collections import Counter
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from transformers import TrainerControl, TrainerState
 
 from searchr1_trl.training import evaluation
 from searchr1_trl.training.callbacks import KEEP_METRIC, CollapseGuard, CollapseGuardConfig, em_noise
+from searchr1_trl.training.fixed_costs import report_due, saved_model_unreported
 from searchr1_trl.training.parts import build_task
 from searchr1_trl.training.trainer import SearchR1Trainer
 from tests.test_trainer import model_text_reward, small_config
@@ -43,6 +48,22 @@ def guarded_trainer(model, tmp_path, questions_file, retriever_url, max_steps: i
     return SearchR1Trainer(model=str(model), args=args, parts=task, reward_funcs=[task.rubric, model_text_reward])
 
 
+def reported(trainer) -> list[tuple[int, str]]:
+    """Where the report sample was rolled out: ``(step of the weights, when)``, in log order."""
+    found = []
+    for entry in trainer.state.log_history:
+        if "saved_report_em" in entry:
+            found.append((entry["saved_report_step"], "after training"))
+        elif "report_em" in entry:
+            found.append((entry["step"], "validation" if "eval_em" in entry else "after its validation"))
+    return found
+
+
+def samples_in(traces_file) -> dict[str, int]:
+    """How many rollouts of each sample a step's validation_traces file holds."""
+    return dict(Counter(json.loads(line)["sample"] for line in traces_file.read_text().splitlines()))
+
+
 def weights(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -70,7 +91,12 @@ def test_a_scripted_collapse_stops_training_and_it_ends_on_the_best_checkpoint(
     assert all(torch.equal(now[name], best[name]) for name in best), "the model is the step-1 checkpoint's"
     step2 = saved_weights(tmp_path / "run" / "checkpoint-2")
     assert any(not torch.equal(step2[name], best[name]) for name in best), "step 2 had moved the weights"
-    assert all("report_em" in e for e in trainer.state.log_history if "eval_em" in e)
+    # report_at ends: the report sample at the first validation, at the stop (after the validation that decided it)
+    # and on the step-1 model training ended on, after training
+    assert reported(trainer) == [(0, "validation"), (2, "after its validation"), (1, "after training")]
+    traces = tmp_path / "run" / "validation_traces"
+    assert samples_in(traces / "step-1.jsonl") == {"eval": 4, "report": 3}, "the kept step's report joins its traces"
+    assert samples_in(traces / "step-2.jsonl") == {"eval": 4, "report": 3}
     assert trainer._synced_step == -1, "the restored weights are pushed before the next generation"
 
 
@@ -84,6 +110,7 @@ def test_the_start_itself_is_a_candidate_and_can_be_what_training_ends_on(
     assert trainer.state.best_global_step == 0
     assert (tmp_path / "run" / "checkpoint-0").is_dir()
     assert all(torch.equal(start[n], p) for n, p in weights(trainer.model).items()), "back to the step-0 weights"
+    assert reported(trainer) == [(0, "validation"), (1, "after its validation")], "step 0's report is the saved one's"
 
 
 def test_without_a_collapse_training_ends_on_its_last_step_when_no_earlier_one_beats_it_beyond_noise(
@@ -97,6 +124,9 @@ def test_without_a_collapse_training_ends_on_its_last_step_when_no_earlier_one_b
     assert trainer.state.best_global_step == 2, "0.72 is within the noise of 0.75 on 4 questions: the last is kept"
     assert trainer.collapse_guard.collapse is None
     assert not any("training ends on the step" in r.getMessage() for r in caplog.records)
+    assert reported(trainer) == [(0, "validation"), (2, "validation")], "not at step 1: report_at ends"
+    assert len([e for e in trainer.state.log_history if "time/startup_s" in e]) == 1
+    assert next(e for e in trainer.state.log_history if "time/startup_s" in e)["step"] == 1, "with the first step"
 
 
 def test_an_earlier_checkpoint_beating_the_last_by_more_than_the_noise_is_kept(
@@ -104,7 +134,7 @@ def test_an_earlier_checkpoint_beating_the_last_by_more_than_the_noise_is_kept(
     scripted_validation(monkeypatch, ems=[0.0, 1.0, 0.5], searches=[1.0] * 3)
     # No collapse (em_drop 0.9): 0.5 is 2 standard errors (0.25 each on 4 questions) below 1.0, beyond noise_z 1.
     trainer = guarded_trainer(tiny_model_dir, tmp_path, questions_file, retriever_url, max_steps=2,
-                              collapse_em_drop=0.9)
+                              collapse_em_drop=0.9, report_at="every_validation")
     with caplog.at_level(logging.WARNING):
         trainer.train()
     assert trainer.state.global_step == 2 and trainer.collapse_guard.collapse is None
@@ -114,6 +144,7 @@ def test_an_earlier_checkpoint_beating_the_last_by_more_than_the_noise_is_kept(
     lines = [r.getMessage() for r in caplog.records if "training ends on the step" in r.getMessage()]
     assert lines == ["training ends on the step-1 checkpoint (validation EM 1.000), not the last step 2: it beats the "
                      "last validated step by more than the validation sample's noise"]
+    assert reported(trainer) == [(0, "validation"), (1, "validation"), (2, "validation")], "the kept step's is there"
 
 
 def kept_after(guard: CollapseGuard, step: int, em: float, n: int = 500) -> bool:
@@ -136,6 +167,17 @@ def test_a_step_is_kept_when_its_em_is_within_noise_z_standard_errors_of_the_bes
     strict = CollapseGuard(CollapseGuardConfig(noise_z=0.0))
     strict.on_train_begin(None, None, None)
     assert kept_after(strict, 0, 0.40) and not kept_after(strict, 10, 0.39) and kept_after(strict, 20, 0.40)
+
+
+def test_with_report_at_ends_the_report_sample_rides_on_the_first_validation_and_the_one_training_stops_at():
+    state, going, stopping = TrainerState(), TrainerControl(), TrainerControl(should_training_stop=True)
+    assert report_due("ends", state, going, training=True), "the first validation of the run"
+    state.log_history = [{"step": 0, "eval_em": 0.4, "report_em": 0.38}]  # a resumed run's history counts too
+    assert not report_due("ends", state, going, training=True)
+    assert report_due("ends", state, stopping, training=True), "the last step's (max_steps reached)"
+    assert report_due("ends", state, going, training=False), "a standalone evaluation"
+    assert report_due("every_validation", state, going, training=True)
+    assert saved_model_unreported(state, 10) and not saved_model_unreported(state, 0)
 
 
 def control_after(guard: CollapseGuard, step: int, **logs) -> TrainerControl:

@@ -113,6 +113,27 @@ def test_the_summary_splits_a_step_into_push_rollouts_scoring_and_update():
         "evaluation_each": 5.0, "rollout_tokens_per_s": 200.0, "rollouts_per_s": 32.0}
 
 
+def test_the_summary_gives_the_fixed_costs_and_the_report_em_of_the_model_the_run_saved():
+    # report_at ends, a run the guard stopped at step 20 that ended on step 10: the report sample at step 0, after the
+    # step-20 validation that decided the stop, and on the step-10 model after training
+    history = [{"step": 0, "eval_em": 0.40, "report_em": 0.38, "eval_runtime": 9.0},
+               {"step": 1, "time/startup_s": 41.26, "time/warm_start_s": 20.04, "step_time": 2.0},
+               {"step": 10, "eval_em": 0.45, "eval_runtime": 5.0},
+               {"step": 20, "eval_em": 0.30, "eval_runtime": 5.0},
+               {"step": 20, "report_em": 0.29, "report_runtime": 4.0},
+               {"step": 20, "train_runtime": 100.0},
+               {"step": 20, "saved_report_em": 0.44, "saved_report_runtime": 4.5, "saved_report_step": 10}]
+    job = script("offline_job")
+    assert job.fixed_costs(history) == {"startup_s": 41.3, "warm_start_s": 20.0, "first_validation_s": 9.0,
+                                        "validations": 3, "validation_s": 27.5, "saved_report_s": 4.5}
+    validated = job.validations(history, best_step=10)
+    assert validated["report_em_by_step"] == {0: 0.38, 10: 0.44, 20: 0.29}
+    assert (validated["saved_step"], validated["saved_report_em"]) == (10, 0.44)
+    assert validated["evals"][1] == {"step": 10, "eval_em": 0.45, "eval_runtime": 5.0, "report_em": 0.44,
+                                     "report_runtime": 4.5}
+    assert job.validations(history[:4], best_step=None)["saved_step"] == 20, "without a choice: the last validated"
+
+
 @pytest.mark.slow
 def test_the_cpu_job_trains_through_the_launcher_and_leaves_no_server_behind(offline_assets, tmp_path):
     retriever_port, generator_port = free_port(), free_port()
@@ -127,5 +148,8 @@ def test_the_cpu_job_trains_through_the_launcher_and_leaves_no_server_behind(off
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 1 and list(summary["eval_em_by_step"]) == ["0", "1"]  # EM before and after (JSON keys)
+    costs = summary["fixed_costs"]
+    assert costs["validations"] == 2 and costs["validation_s"] > 0 and costs["warm_start_s"] is None
+    assert costs["startup_s"] > costs["first_validation_s"], "the start-up holds the step-0 validation"
     assert (out / "retriever.log").stat().st_size and (out / "vllm.log").stat().st_size
     assert not listening(retriever_port) and not listening(generator_port)

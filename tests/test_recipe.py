@@ -341,11 +341,13 @@ def test_plan_waits_for_a_vllm_server_that_is_starting_up_until_vllm_server_time
             server.shutdown()
 
 
-def test_config_rejects_unknown_generator_and_weight_sync():
+def test_config_rejects_unknown_generator_weight_sync_and_report_at():
     with pytest.raises(ValueError, match="generator='sglang'; expected 'vllm', 'transformers' or 'auto'"):
         SearchR1Config(output_dir="/tmp/x", generator="sglang", use_cpu=True)
     with pytest.raises(ValueError, match="weight_sync='rsync'"):
         SearchR1Config(output_dir="/tmp/x", weight_sync="rsync", use_cpu=True)
+    with pytest.raises(ValueError, match="report_at='end'; expected 'ends' or 'every_validation'"):
+        SearchR1Config(output_dir="/tmp/x", report_at="end", use_cpu=True)
 
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import time
 from pathlib import Path
 
 from searchr1_trl.serving.vllm_server import GeneratorUnavailable
@@ -74,9 +75,13 @@ def train(args, model_args) -> None:
         "dtype": model_args.dtype,
         "attn_implementation": model_args.attn_implementation,
     }
+    warm_start_s = None
     if args.warm_start_traces and not args.resume_from_checkpoint:  # a resumed run's checkpoint has its weights
+        started = time.perf_counter()
         model_args.model_name_or_path = warm_start(args, model_args, build_task(args))
+        warm_start_s = time.perf_counter() - started
     trainer = SearchR1Trainer(model=model_args.model_name_or_path, args=args, peft_config=get_peft_config(model_args))
+    trainer.startup.warm_start_s = warm_start_s  # logged with the first step, as part of the start-up
     try:
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     except (SearchOutage, CheckpointSaveError) as error:

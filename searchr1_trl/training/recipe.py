@@ -29,6 +29,7 @@ from searchr1_trl.serving.vllm_server import WEIGHT_SYNC_TIMEOUT_S
 from searchr1_trl.tasks import TASKS, get_task
 from searchr1_trl.training.callbacks import KEEP_METRIC
 from searchr1_trl.training.experimental.staleness import IMPORTANCE_SAMPLING_MODES
+from searchr1_trl.training.fixed_costs import REPORT_AT
 from searchr1_trl.training.knobs import PARTS, knob, knobs, owned
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,16 @@ class SearchR1Config(GRPOConfig):
     report_num_samples: int = field(
         default=0,
         metadata={"help": "Questions of a second validation sample, disjoint from the first (the next rows of the same "
-                          "order), evaluated beside it and logged as report_*: the figure to report, since the best "
-                          "checkpoint is chosen on the first. 0: none."},
+                          "order), evaluated beside it (at the validations report_at names) and logged as report_*: "
+                          "the figure to report, since the best checkpoint is chosen on the first. 0: none."},
+    )
+    report_at: str = field(
+        default="ends",
+        metadata={"help": "Which validations roll out the report sample. `ends`: the first, the last step's and, when "
+                          "training ends on an earlier checkpoint, that model once more after training "
+                          "(saved_report_*): where its figure is read, since the guard chooses on the validation "
+                          "sample. `every_validation`: each one, for a curve (each validation then rolls out both "
+                          "samples: twice the rollouts where they are the same size)."},
     )
     save_validation_traces: bool = field(
         default=True,
@@ -252,6 +261,8 @@ class SearchR1Config(GRPOConfig):
         if not 0 <= self.max_failed_search_fraction <= 1:
             raise ValueError(f"max_failed_search_fraction={self.max_failed_search_fraction!r}; expected a fraction "
                              "in [0, 1]")
+        if self.report_at not in REPORT_AT:
+            raise ValueError(f"report_at={self.report_at!r}; expected {' or '.join(map(repr, REPORT_AT))}")
         if self.weight_sync not in ("reload", "nccl", "ipc"):
             raise ValueError(f"weight_sync={self.weight_sync!r}; expected 'reload', 'nccl' or 'ipc'")
         if not self.weight_sync_timeout_s > 0:

@@ -1,6 +1,6 @@
 """What a training run writes down of its rollouts: each step's rollout metrics, the training turns the parser
-refused (``parse_failures.jsonl``), each validation's rollouts whole (``validation_traces/step-<step>.jsonl``), and
-the stop when the retriever does not answer (:class:`SearchOutage`).
+refused (``parse_failures.jsonl``), each validation's rollouts whole (``validation_traces/step-<step>.jsonl``) and
+their summary per sample, and the stop when the retriever does not answer (:class:`SearchOutage`).
 
 Under several processes each writes what it generated to its own file (:func:`process_file`).
 """
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from accelerate.utils import gather_object
 
 from searchr1_trl.engine.rollout import Rollout, RolloutStatus
+from searchr1_trl.training import evaluation
 from searchr1_trl.training.resume import write_atomically
 
 
@@ -90,7 +91,24 @@ def append_parse_failures(args, accelerator, step: int, failed: list[Rollout]) -
 def write_validation_traces(args, accelerator, step: int, named: list) -> None:
     """This process's rollouts of a validation, whole, one JSON line each (``named``: ``(sample name, Trace)``): the
     only record of what the policy wrote when validation EM fell (a guard stop keeps the best checkpoint, not the one
-    that collapsed)."""
+    that collapsed). A step's file holds each sample's latest rollouts: a sample written again replaces its lines (a
+    step validated again after a resume), the other samples' stay (the report sample rolled out on its own after
+    the step's validation, ``report_at: ends``)."""
     path = process_file(args.output_dir, accelerator, f"validation_traces/step-{step}.jsonl")
-    write_atomically(path, "".join(json.dumps({"sample": name, "step": step, **asdict(trace)}) + "\n"
-                                   for name, trace in named))
+    names = {name for name, _ in named}
+    kept = [line + "\n" for line in (path.read_text().splitlines() if path.exists() else [])
+            if json.loads(line)["sample"] not in names]
+    write_atomically(path, "".join(kept) + "".join(json.dumps({"sample": name, "step": step, **asdict(trace)}) + "\n"
+                                                   for name, trace in named))
+
+
+def summaries(named: list) -> dict[str, float]:
+    """:func:`~searchr1_trl.training.evaluation.summarize` of each sample's traces over every process (``named``:
+    this process's ``(sample name, Trace)``), as ``<name>_<key>``. Only what the summary needs crosses processes; the
+    conversations stay where they were generated."""
+    gathered = gather_object([(name, replace(trace, messages=[])) for name, trace in named])
+    metrics = {}
+    for name in dict.fromkeys(name for name, _ in gathered):
+        summary = evaluation.summarize([trace for n, trace in gathered if n == name])
+        metrics.update({f"{name}_{key}": value for key, value in summary.items()})
+    return metrics

@@ -41,12 +41,10 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import datasets
 import torch
-from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
@@ -55,7 +53,7 @@ from trl.models import unwrap_model_for_generation
 from searchr1_trl.engine.rollout import Rollout, RolloutEngine
 from searchr1_trl.serving.weight_sync import PausedPush, ReloadPush, warn_stale_tied_head, weight_push
 from searchr1_trl.tasks.common.data import QuestionBatches, training_row
-from searchr1_trl.training import evaluation, records
+from searchr1_trl.training import evaluation, fixed_costs, records
 from searchr1_trl.training.as_trained import save_recipe
 from searchr1_trl.training.callbacks import CollapseGuard, DivergentStepGuard, NonFiniteGradientGuard
 from searchr1_trl.training.experimental import async_rollouts
@@ -101,6 +99,8 @@ class SearchR1Trainer(GRPOTrainer):
             peft_config=peft_config, rollout_func=self._rollout_func, **kwargs,
         )
         self.add_callback(NonFiniteGradientGuard(self._metrics["train"]))
+        self.startup = fixed_costs.StartupClock(self._metrics["train"])
+        self.add_callback(self.startup)
         if args.compile_layers:
             compile_for_training(self.model, self.ref_model, self.accelerator)
         self.collapse_guard = None
@@ -301,16 +301,35 @@ class SearchR1Trainer(GRPOTrainer):
     # ---- validation --------------------------------------------------------------------------------------------
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """The ``agent`` method of :mod:`searchr1_trl.training.evaluation` over the validation slice and, beside it in
-        the same pass, the report slice: greedy rollouts, EM overall and per data source, searches and turns per
-        rollout, status fractions and what the search policy learned, as ``<prefix>_*`` and ``report_*`` via the
-        trainer's log.
+        """The ``agent`` method of :mod:`searchr1_trl.training.evaluation` over the validation slice, logged as
+        ``<prefix>_*``, and over the report slice as ``report_*``: in the same pass where ``report_at`` asks
+        (:func:`~searchr1_trl.training.fixed_costs.report_due`), after it where a stop is decided on this validation.
         Training's step-0 validation is saved as a best-checkpoint candidate when the collapse guard is on."""
+        report = [("report", s) for s in self.parts.report_samples]
+        due = fixed_costs.report_due(self.args.report_at, self.state, self.control, self.is_in_train)
+        metrics = self._validate([(metric_key_prefix, s) for s in self.eval_samples] + (report if due else []),
+                                 f"{metric_key_prefix}_runtime", self.state.global_step)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        if report and not due and self.control.should_training_stop:  # a stop on this validation: the last step's
+            self.log(self._validate(report, "report_runtime", self.state.global_step))
+        if self.args.load_best_model_at_end and self.collapse_guard is not None and \
+                self.collapse_guard.wants_start_checkpoint(self.state):
+            # transformers saves (and ranks) checkpoints only after optimizer steps; the start can be the best.
+            self._determine_best_metric(metrics=metrics, trial=None)
+            self._save_checkpoint(self.model_wrapped, trial=None)
+            # transformers 5.24 reads best_global_step 0 as "none" and would not record this checkpoint as the best
+            run_dir = Path(self._get_output_dir(trial=None))
+            self.state.best_model_checkpoint = str(run_dir / f"{PREFIX_CHECKPOINT_DIR}-0")
+        return metrics
+
+    def _validate(self, held_out: list[tuple], runtime_key: str, step: int) -> dict[str, float]:
+        """Greedy rollouts of ``held_out`` (``(sample name, sample)`` pairs) by the weights of ``step`` (an earlier
+        one's once training has ended on its checkpoint), written to ``validation_traces/step-<step>.jsonl``: each
+        sample's :func:`~searchr1_trl.training.evaluation.summarize` as ``<name>_*``, the seconds as ``runtime_key``."""
         if self.pipeline is not None:
             self.pipeline.drain()  # validation runs alone
         self._sync_generator_weights()
-        held_out = [(metric_key_prefix, s) for s in self.eval_samples]
-        held_out += [("report", s) for s in self.parts.report_samples]
         local = held_out[self.accelerator.process_index::self.accelerator.num_processes]
         start = time.perf_counter()
         progress = tqdm(total=len(local), desc="validation rollouts", unit="rollout", leave=False,
@@ -321,29 +340,10 @@ class SearchR1Trainer(GRPOTrainer):
             on_trace=lambda index, trace: progress.update(), max_concurrency=self.args.generator_max_concurrency,
         ))
         progress.close()
+        named = [(name, trace) for (name, _), trace in zip(local, traces, strict=True)]
         if self.args.save_validation_traces:
-            records.write_validation_traces(
-                self.args, self.accelerator, self.state.global_step,
-                [(name, trace) for (name, _), trace in zip(local, traces, strict=True)])
-        # Only what the summary needs crosses processes; the conversations stay where they were generated.
-        named = gather_object([(name, replace(trace, messages=[])) for (name, _), trace in zip(local, traces,
-                                                                                                strict=True)])
-        metrics = {}
-        for name in dict.fromkeys(name for name, _ in held_out):
-            summary = evaluation.summarize([trace for n, trace in named if n == name])
-            metrics.update({f"{name}_{key}": value for key, value in summary.items()})
-        metrics[f"{metric_key_prefix}_runtime"] = time.perf_counter() - start
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        if self.args.load_best_model_at_end and self.collapse_guard is not None and \
-                self.collapse_guard.wants_start_checkpoint(self.state):
-            # transformers saves (and ranks) checkpoints only after optimizer steps; the start can be the best.
-            self._determine_best_metric(metrics=metrics, trial=None)
-            self._save_checkpoint(self.model_wrapped, trial=None)
-            # transformers 5.24 reads best_global_step 0 as "none" and would not record this checkpoint as the best
-            run_dir = Path(self._get_output_dir(trial=None))
-            self.state.best_model_checkpoint = str(run_dir / f"{PREFIX_CHECKPOINT_DIR}-0")
-        return metrics
+            records.write_validation_traces(self.args, self.accelerator, step, named)
+        return {**records.summaries(named), runtime_key: time.perf_counter() - start}
 
     # ---- data, checkpoint and resume ---------------------------------------------------------------------------
 
@@ -377,13 +377,16 @@ class SearchR1Trainer(GRPOTrainer):
         resume_from_checkpoint = resume_point(resume_from_checkpoint, self.args.output_dir, self.train_stream)
         with self._event_loop():
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-        kept = self.state.best_global_step
-        if self.args.load_best_model_at_end and kept is not None and kept != self.state.global_step:
-            logger.warning("training ends on the step-%d checkpoint (validation EM %.3f), not the last step %d: %s",
-                           kept, validation_em(self.state, kept), self.state.global_step,
-                           "a collapse stopped it" if self.collapse_guard.collapse else
-                           "it beats the last validated step by more than the validation sample's noise")
-            self._synced_step = -1  # the server holds the last step's weights: push the restored ones next time
+            kept = self.state.best_global_step
+            if self.args.load_best_model_at_end and kept is not None and kept != self.state.global_step:
+                logger.warning("training ends on the step-%d checkpoint (validation EM %.3f), not the last step %d: "
+                               "%s", kept, validation_em(self.state, kept), self.state.global_step,
+                               "a collapse stopped it" if self.collapse_guard.collapse else
+                               "it beats the last validated step by more than the validation sample's noise")
+                self._synced_step = -1  # the server holds the last step's weights: push the restored ones next time
+                if self.parts.report_samples and fixed_costs.saved_model_unreported(self.state, kept):
+                    saved = self._validate([("report", s) for s in self.parts.report_samples], "report_runtime", kept)
+                    self.log({**{f"saved_{key}": value for key, value in saved.items()}, "saved_report_step": kept})
         return output
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
