@@ -4,6 +4,7 @@ fine-tune on the model's turns that GRPO then starts from."""
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -147,6 +148,9 @@ def test_grpo_starts_from_the_warm_started_model(tiny_model_dir, tokenizer, retr
     )
     train(args, ModelConfig(model_name_or_path=str(tiny_model_dir), dtype="bfloat16"))
 
+    history = json.loads((tmp_path / "run" / "trainer_state.json").read_text())["log_history"]
+    [first_step] = [entry for entry in history if "time/startup_s" in entry]
+    assert 0 < first_step["time/warm_start_s"] < first_step["time/startup_s"], "the start-up holds the warm start"
     warm = tmp_path / "run" / "warm_start"
     assert (warm / "tokenizer.json").is_file() and (warm / "generation_config.json").is_file()
     _, held_out = traces(tokenizer, retriever_url, questions_file, 8, topk=1, restate_question=True)

@@ -146,6 +146,23 @@ def test_runs_without_a_report_sample_are_read_on_validation_and_say_so(tmp_path
     assert "| sync | `` | 0 | validation | 0.400 | 0.450 | 0.450 (30) | +0.050 |" in capsys.readouterr().out
 
 
+def test_with_the_report_sample_at_the_ends_only_chosen_is_the_saved_models_report_em(tmp_path, capsys):
+    # report_at ends, as scripts/offline_job.py writes the summary: the report EM at step 0, at step 30 and on the
+    # step-20 model the run ended on (rolled out after training, joined to step 20's validation)
+    folder = tmp_path / "ends_s0"
+    folder.mkdir()
+    (folder / "command.json").write_text(json.dumps({"variant": "ends", "flags": "", "seed": 0, "command": []}))
+    (folder / "summary.json").write_text(json.dumps({"steps": 30, "train_runtime_s": 90.0, "best_step": 20, "evals": [
+        {"step": 0, "eval_em": 0.40, "report_em": 0.38}, {"step": 10, "eval_em": 0.42},
+        {"step": 20, "eval_em": 0.50, "report_em": 0.44}, {"step": 30, "eval_em": 0.43, "report_em": 0.41}]}))
+    table = report(tmp_path)
+    run = json.loads((tmp_path / "learning.json").read_text())["runs"][0]
+    assert run["em"] == {"start": 0.38, "last": 0.41, "chosen": 0.44}
+    assert run["em_by_step"] == {"0": 0.38, "20": 0.44, "30": 0.41}, "no figure where the sample was not rolled out"
+    assert table["ends"]["gain_chosen"]["mean"] == 0.06
+    assert "| ends | `` | 0 | report | 0.380 | 0.410 | 0.440 (20) | +0.030 | +0.060 |" in capsys.readouterr().out
+
+
 def test_a_run_cut_short_is_read_to_its_newest_checkpoint_and_kept_out_of_the_means(tmp_path, capsys):
     finished_run(tmp_path, "ans0", 0, 300.0, 0.44)
     folder = tmp_path / "ans0_s1"
