@@ -17,8 +17,9 @@ servers starting together do not size their caches off each other. Figures come 
 (``report_num_samples`` questions disjoint from the validation sample the collapse guard chooses on): per seed the
 warm start alone (step 0), the last step, and the checkpoint the run ended on; per variant mean, standard deviation
 and minimum of the gains over the warm start, beside the mean ``train_runtime`` and, with ``--baseline``, its speedup
-over that variant (a speed comparison; learning variants that change the work per step have none). ``report``
-writes ``learning.json`` and prints Markdown tables.
+over that variant (a speed comparison; learning variants that change the work per step have none), and per run the
+time outside its steps (start-up, warm start, validations). ``report`` writes ``learning.json`` and prints Markdown
+tables.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ def runs(out: Path) -> list[dict]:
         summary_file = folder / "summary.json"
         if summary_file.exists():
             summary = json.loads(summary_file.read_text())
-            records.append(_record(meta, True, summary["evals"], summary["steps"], summary.get("best_step"),
-                                   summary.get("train_runtime_s"), summary.get("train_searches_by_step")))
+            records.append({**_record(meta, True, summary["evals"], summary["steps"], summary.get("best_step"),
+                                      summary.get("train_runtime_s"), summary.get("train_searches_by_step")),
+                            "fixed_costs": summary.get("fixed_costs")})  # None: a run from before they were kept
             continue
         states = sorted(folder.glob("checkpoint-*/trainer_state.json"), key=lambda f: int(f.parent.name.split("-")[1]))
         state = json.loads(states[-1].read_text()) if states else {}
@@ -205,11 +207,30 @@ def report(out: Path, baseline: str | None = None) -> dict:
               f"{fmt(r['train_runtime_s'], 1)} |")
     print()
     print(variant_table(table, baseline))
-    for split in (step_split(out), rollout_endings(out), drift(out)):
+    for split in (step_split(out), fixed_cost_split(records), rollout_endings(out), drift(out)):
         if split:
             print()
             print(split)
     return table
+
+
+def fixed_cost_split(records: list[dict]) -> str:
+    """Where each finished run's time outside its optimizer steps went (``summary.json``'s ``fixed_costs``): one
+    Markdown row per run with its start-up (process start to the first step: warm start and step-0 validation
+    included), the warm start, the validations' count and seconds, and the saved model's report rolled out after
+    training (outside ``train_runtime``). "" when no run has them."""
+    lines = []
+    for r in records:
+        costs = r.get("fixed_costs")
+        if costs:
+            cells = [costs[key] for key in ("startup_s", "warm_start_s", "validations", "validation_s",
+                                            "saved_report_s")]
+            lines.append(f"| {r['run']} | " + " | ".join("-" if c is None else str(c) for c in cells) +
+                         f" | {'-' if r['train_runtime_s'] is None else r['train_runtime_s']} |")
+    if not lines:
+        return ""
+    return "\n".join(["| run | start-up s | warm start s | validations | validation s | saved model's report s | "
+                      "train_runtime s |", "| --- " * 7 + "|", *lines])
 
 
 def rollout_endings(out: Path) -> str:

@@ -154,13 +154,17 @@ def test_with_the_report_sample_at_the_ends_only_chosen_is_the_saved_models_repo
     (folder / "command.json").write_text(json.dumps({"variant": "ends", "flags": "", "seed": 0, "command": []}))
     (folder / "summary.json").write_text(json.dumps({"steps": 30, "train_runtime_s": 90.0, "best_step": 20, "evals": [
         {"step": 0, "eval_em": 0.40, "report_em": 0.38}, {"step": 10, "eval_em": 0.42},
-        {"step": 20, "eval_em": 0.50, "report_em": 0.44}, {"step": 30, "eval_em": 0.43, "report_em": 0.41}]}))
+        {"step": 20, "eval_em": 0.50, "report_em": 0.44}, {"step": 30, "eval_em": 0.43, "report_em": 0.41}],
+        "fixed_costs": {"startup_s": 61.2, "warm_start_s": 30.5, "first_validation_s": 9.1, "validations": 4,
+                        "validation_s": 27.3, "saved_report_s": 4.4}}))
     table = report(tmp_path)
     run = json.loads((tmp_path / "learning.json").read_text())["runs"][0]
     assert run["em"] == {"start": 0.38, "last": 0.41, "chosen": 0.44}
     assert run["em_by_step"] == {"0": 0.38, "20": 0.44, "30": 0.41}, "no figure where the sample was not rolled out"
     assert table["ends"]["gain_chosen"]["mean"] == 0.06
-    assert "| ends | `` | 0 | report | 0.380 | 0.410 | 0.440 (20) | +0.030 | +0.060 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| ends | `` | 0 | report | 0.380 | 0.410 | 0.440 (20) | +0.030 | +0.060 |" in printed
+    assert "| ends_s0 | 61.2 | 30.5 | 4 | 27.3 | 4.4 | 90.0 |" in printed, "where the time outside the steps went"
 
 
 def test_a_run_cut_short_is_read_to_its_newest_checkpoint_and_kept_out_of_the_means(tmp_path, capsys):
