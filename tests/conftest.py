@@ -45,6 +45,13 @@ def script(name: str):
     return module
 
 
+def reliability_size(suite: int, full: int) -> int:
+    """How much a reliability test fuzzes or loads: ``full`` where experiments/reliability.py runs it to write the
+    figures of docs/RELIABILITY.md (it sets RELIABILITY_FULL_SIZE=1), ``suite`` in the test suite, which checks the
+    same property on less."""
+    return full if os.environ.get("RELIABILITY_FULL_SIZE") == "1" else suite
+
+
 def serve_fake(answer, port: int | None = None) -> ThreadingHTTPServer:
     """A stand-in HTTP server, running in a thread on ``port`` (a free one by default), for faults injected on
     purpose: ``answer(method, path, body)`` (``body`` the parsed JSON of a POST, None for a GET) gives the status and
