@@ -215,7 +215,8 @@ def test_a_row_whose_prompt_leaves_no_room_is_skipped_and_counted_not_fatal(tiny
     import pandas as pd
 
     data = tmp_path / "long.parquet"
-    pd.DataFrame({"question": ["Why? " + "very " * 2000], "golden_answers": [["yes"]]}).to_parquet(data)
+    # 600 question tokens: over 512 with any prompt around them, and the rows the trainer scores stay short
+    pd.DataFrame({"question": ["Why? " + "very " * 600], "golden_answers": [["yes"]]}).to_parquet(data)
     args = small_config(tmp_path, str(data), "http://127.0.0.1:9/retrieve", generator="transformers",
                         max_rollout_tokens=512)
     trainer = SearchR1Trainer(model=str(tiny_model_dir), args=args)
