@@ -140,10 +140,10 @@ def test_the_cpu_job_trains_through_the_launcher_and_leaves_no_server_behind(off
     out = tmp_path / "job"
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "offline_job.py"), "--output_dir", str(out), "--train_articles", "1",
-         "--test_articles", "1", "--distractors", "20", "--max_steps", "1", "--eval_num_samples", "1",
+         "--test_articles", "1", "--distractors", "5", "--max_steps", "1", "--eval_num_samples", "1",
          "--gradient_accumulation_steps", "2", "--report_to", "none", "--trace_report", "false",
          # one short turn a rollout: the job's processes and phases are the same, each generation a few seconds
-         "--max_turns", "1", "--max_tokens_per_turn", "16",
+         "--max_turns", "1", "--max_tokens_per_turn", "8",
          "--search_url", f"http://127.0.0.1:{retriever_port}/retrieve",
          "--vllm_server_base_url", f"http://127.0.0.1:{generator_port}"],
         cwd=ROOT, capture_output=True, text=True, timeout=1500)

@@ -324,8 +324,8 @@ class StopAfter(TrainerCallback):
 def test_a_resumed_run_draws_the_same_questions_as_an_uninterrupted_one(tiny_model_dir, questions_file,
                                                                       retriever_url, tmp_path):
     def run(folder, resume=None, callbacks=()):
-        args = small_config(tmp_path / folder, questions_file, retriever_url, max_steps=3, save_strategy="steps",
-                            save_steps=2, generator="transformers", max_tokens_per_turn=8, max_turns=1)
+        args = small_config(tmp_path / folder, questions_file, retriever_url, max_steps=2, save_strategy="steps",
+                            save_steps=1, generator="transformers", max_tokens_per_turn=8, max_turns=1)
         stream = RecordingStream(part_config(args, "train_stream"))
         stream.drawn = []
         task = replace(build_task(args), train_stream=stream)
@@ -337,20 +337,20 @@ def test_a_resumed_run_draws_the_same_questions_as_an_uninterrupted_one(tiny_mod
         return stream.drawn, args
 
     questions_per_step = 1  # small_config: 1 per device x 2 accumulation / 2 generations
-    killed, args = run("killed", callbacks=[StopAfter(2)])
-    checkpoint = Path(args.output_dir) / "checkpoint-2"
-    assert json.loads((checkpoint / STREAM_STATE_FILE).read_text())["cursor"] == 2 * questions_per_step
+    killed, args = run("killed", callbacks=[StopAfter(1)])
+    checkpoint = Path(args.output_dir) / "checkpoint-1"
+    assert json.loads((checkpoint / STREAM_STATE_FILE).read_text())["cursor"] == questions_per_step
     # the checkpoint carries its recipe, and searchr1-eval without flags runs it with the recipe's settings
     recorded = json.loads((checkpoint / RECIPE_FILE).read_text())
     assert (recorded["max_turns"], recorded["max_tokens_per_turn"]) == (1, 8)
     as_trained, _ = policy_as_trained([str(checkpoint)], PolicyConfig(), set())
     assert (as_trained.max_turns, as_trained.max_tokens_per_turn, as_trained.bare_json_tool_calls) == (1, 8, True)
     resumed, _ = run("killed", resume=str(checkpoint))
-    # an uninterrupted run draws the stream in order (training it too cost 3 steps of CPU for the same list)
+    # an uninterrupted run draws the stream in order (training it too cost 2 steps of CPU for the same list)
     fresh = SearchR1Dataset(part_config(args, "train_stream"))
-    uninterrupted = [next(fresh).question for _ in range(3 * questions_per_step)]
-    assert killed == uninterrupted[: 2 * questions_per_step]
-    assert resumed == uninterrupted[2 * questions_per_step:]
+    uninterrupted = [next(fresh).question for _ in range(2 * questions_per_step)]
+    assert killed == uninterrupted[:questions_per_step]
+    assert resumed == uninterrupted[questions_per_step:]
 
 
 class Snapshots(TrainerCallback):
