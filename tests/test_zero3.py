@@ -73,23 +73,23 @@ def tiny_vllm_server(served_tiny_model_dir, tmp_path_factory):
         yield server
 
 
-@pytest.mark.slow  # a vLLM server and three asynchronous GRPO steps through accelerate + DeepSpeed, ~60 s
+@pytest.mark.slow  # a vLLM server and two asynchronous GRPO steps through accelerate + DeepSpeed, ~50 s
 def test_async_rollouts_under_zero3_train_on_a_vllm_server_that_each_push_gives_the_gathered_weights(
         tmp_path, served_tiny_model_dir, tiny_vllm_server, questions_file, retriever_url):
     # weight_sync reload, the default: ZeRO-3 holds each parameter as a shard, and only the DeepSpeed engine can
     # gather them whole for the push. Weight decay moves every weight at every step, rewards or not.
-    config = train_recipe(tmp_path, served_tiny_model_dir, questions_file, retriever_url, max_steps=3,
+    config = train_recipe(tmp_path, served_tiny_model_dir, questions_file, retriever_url, max_steps=2,
                           generator="vllm", vllm_server_base_url=tiny_vllm_server.base_url, weight_sync="reload",
                           async_rollouts=True, max_staleness=1, learning_rate=0.05, weight_decay=1.0)
     run = accelerate_launch("zero3.yaml", "scripts/train.py", "--config", str(config))
     assert run.returncode == 0, run.stderr[-3000:]
-    state = json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
     steps = [entry for entry in state["log_history"] if "async/staleness" in entry]
-    # each step trains on rollouts sampled one version earlier; the pushes before steps 2 and 3 are timed
-    assert [entry["async/staleness"] for entry in steps] == [0, 1, 1]
-    assert ["weight_sync/time_s" in entry for entry in steps] == [False, True, True]
+    # each step after the first trains on rollouts sampled one version earlier; the push before step 2 is timed
+    assert [entry["async/staleness"] for entry in steps] == [0, 1]
+    assert ["weight_sync/time_s" in entry for entry in steps] == [False, True]
 
-    # The server serves the weights of the last push (before step 3's rollouts: step 2's), not the start's
+    # The server serves the weights of the last push (before step 2's rollouts: step 1's), not the start's
     probe = AutoTokenizer.from_pretrained(served_tiny_model_dir).apply_chat_template(
         [{"role": "user", "content": "Who wrote Hamlet?"}, {"role": "assistant", "content": "William Shakespeare"}],
         tokenize=True, return_dict=True)["input_ids"]
@@ -100,6 +100,6 @@ def test_async_rollouts_under_zero3_train_on_a_vllm_server_that_each_push_gives_
         return (served - model_logprobs(model, probe)).abs().max().item()
 
     tolerance = 1e-4  # nats per token; measured 1e-6 (fp32 server, fp32 forward of the same bf16 weights)
-    assert gap(tmp_path / "run" / "checkpoint-2") < tolerance
-    assert gap(served_tiny_model_dir) > 100 * tolerance  # measured 0.06
-    assert gap(tmp_path / "run" / "checkpoint-3") > 100 * tolerance  # measured 0.03
+    assert gap(tmp_path / "run" / "checkpoint-1") < tolerance
+    assert gap(served_tiny_model_dir) > 100 * tolerance
+    assert gap(tmp_path / "run" / "checkpoint-2") > 100 * tolerance
