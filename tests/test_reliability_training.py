@@ -181,7 +181,7 @@ def test_the_weight_sync_folder_is_replaced_when_ours_and_refused_when_not(tiny_
                                                                           retriever_url, tmp_path, monkeypatch):
     reloads = []  # (folder, its files when the server was told to load it)
 
-    def reload_weights(url, folder):
+    def reload_weights(url, folder, timeout_s):
         reloads.append((Path(folder), sorted(p.name for p in Path(folder).iterdir())))
 
     monkeypatch.setattr(weight_sync, "reload_weights", reload_weights)
