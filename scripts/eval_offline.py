@@ -28,10 +28,12 @@ from retriever_server.launch import RetrieverProcess
 from searchr1_trl.assets.offline import corpus_slice, prepare
 from searchr1_trl.cli import eval as eval_cli
 from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
+from searchr1_trl.training.as_trained import recorded_recipe
 
 logger = logging.getLogger("eval_offline")
 
-# The offline recipes' env and rollout settings (configs/offline_gpu.yaml), so the agent is evaluated as it trains.
+# The offline recipes' env and rollout settings (configs/offline_gpu.yaml), for a model that records no recipe (the base
+# model): a trained checkpoint runs with the settings it recorded (searchr1_trl/training/as_trained.py).
 AGENT_SETTINGS = ["--topk", "3", "--max_turns", "3", "--max_tokens_per_turn", "128", "--restate_question", "true",
                   "--bare_json_tool_calls", "true", "--close_tool_calls", "true"]
 
@@ -90,7 +92,8 @@ def main() -> None:
                 "--num_samples", str(args.num_samples), "--sample_seed", str(args.sample_seed),
                 "--sample_offset", str(args.sample_offset),
                 "--methods", *args.methods, "--search_url", retriever.url, *generator,
-                "--max_concurrency", str(args.max_concurrency), "--output_dir", str(out), *AGENT_SETTINGS,
+                "--max_concurrency", str(args.max_concurrency), "--output_dir", str(out),
+                *(AGENT_SETTINGS if recorded_recipe(checkpoint) is None else []),
             ]
             with open(out / "command.txt", "a") as f:
                 f.write(shlex.join(command) + "\n")
