@@ -17,7 +17,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -35,6 +37,28 @@ def hung_url():
     listening socket's backlog, and nothing ever reads them."""
     with socket.create_server(("127.0.0.1", 0), backlog=64) as listening:
         yield f"http://127.0.0.1:{listening.getsockname()[1]}"
+
+
+@pytest.fixture
+def failing_url():
+    """A server whose engine died: vLLM's API server stays up and answers every request with HTTP 500."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = b'{"error": "EngineDeadError: EngineCore encountered an issue.\n See stack trace"}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
 
 
 def killed_url() -> str:
@@ -90,6 +114,65 @@ def test_a_hung_generator_fails_the_call_after_its_timeout_naming_it_and_the_set
     assert str(failure.value) == (f"{what} failed: the generator at {hung_url} did not answer within 2 s. Is it "
                                   f"running? See its log, and raise {setting} if it is only slow")
     reliability_figures.setdefault("hung_generator_s", {})[call] = round(waited, 1)
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_a_generator_answering_a_server_error_fails_the_call_in_one_line_showing_its_answer(call, failing_url):
+    function, what, _ = CALLS[call]
+
+    with pytest.raises(GeneratorUnavailable) as failure:
+        function(failing_url)
+
+    assert str(failure.value) == (f"{what} failed: the generator at {failing_url} answered HTTP 500 "
+                                  '({"error": "EngineDeadError: EngineCore encountered an issue. See stack trace"}). '
+                                  "See its log")
+
+
+# TRL's NCCL push as NcclPush drives it on the main process: ``sync_weights`` hangs when given "hung" (the fault: a
+# broadcast whose server is gone never returns), then the push's prefix-cache reset goes to the generator at argv[2].
+NCCL_PUSH = textwrap.dedent("""
+    import sys, time
+    from searchr1_trl.serving.weight_sync import NcclPush
+
+    class Client:
+        base_url = sys.argv[2]
+
+    class Generation:
+        vllm_client = Client()
+
+        def sync_weights(self):
+            if sys.argv[1] == "hung":
+                time.sleep(3600)
+
+    NcclPush(Generation(), timeout_s=float(sys.argv[3])).push(None)
+    time.sleep(2 * float(sys.argv[3]))  # past the deadline: a push that ended must not stop the run later
+    print("trained on")
+""")
+
+
+@pytest.mark.parametrize("push_state", ["hung", "done"])
+def test_an_nccl_push_that_outlasts_its_timeout_ends_the_run_in_one_line_and_one_that_ends_does_not(push_state,
+                                                                                                    tokenizer):
+    generator = subprocess.Popen([sys.executable, "-c", FAKE_GENERATOR, "none", str(tokenizer.eos_token_id), "-"],
+                                 stdout=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{int(generator.stdout.readline())}"
+    try:
+        start = time.monotonic()
+        pusher = subprocess.run([sys.executable, "-c", NCCL_PUSH, push_state, url, str(TIMEOUT_S)],
+                                capture_output=True, text=True, timeout=60)
+        ran = time.monotonic() - start
+    finally:
+        generator.kill()
+        generator.wait()
+
+    if push_state == "done":
+        assert (pusher.returncode, pusher.stdout, pusher.stderr) == (0, "trained on\n", ""), pusher
+        return
+    assert pusher.returncode == 1 and pusher.stdout == "", pusher
+    assert pusher.stderr == (f"error: weight push (TRL's NCCL sync_weights) failed: the generator at {url} did not "
+                             f"answer within 2 s. Is it running? See its log, and raise weight_sync_timeout_s if it "
+                             f"is only slow\n")
+    assert TIMEOUT_S <= ran < BOUND_S
 
 
 # A generator that answers health checks, its model list and every turn (with the end token: the rollout ends and

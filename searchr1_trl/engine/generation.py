@@ -202,22 +202,26 @@ class VLLMServerGenerator(Generator):
     async def _ask(self, http: aiohttp.ClientSession, method: str, url: str,
                    payload: dict | None = None) -> tuple[int, bytes]:
         """(status, body) of one request, sent once more on a fresh connection if the first was dropped;
-        :class:`GeneratorUnavailable` if the server does not answer within ``timeout_s`` or cannot be reached."""
+        :class:`GeneratorUnavailable` if the server does not answer within ``timeout_s``, cannot be reached or answers
+        with a server error (its engine died: no retry helps)."""
         what = f"generation request ({method} {urlsplit(url).path})"
         try:
             try:
-                return await _request(http, method, url, payload)
+                status, body = await _request(http, method, url, payload)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
                 # A pooled connection the server closed as idle (uvicorn's keep-alive is 5 s) fails on reuse;
                 # generation is idempotent, so send it once more on a fresh connection (seen on an H200 after the
                 # NCCL push between validation and the first training rollouts).
-                return await _request(http, method, url, payload)
+                status, body = await _request(http, method, url, payload)
         except asyncio.TimeoutError:
             raise GeneratorUnavailable.timed_out(what, self.base_url, self.timeout_s, "generator_timeout_s") from None
         except aiohttp.ClientError as error:
             if isinstance(error, aiohttp.ClientConnectorError):  # its OS error: the URL is named already
                 raise GeneratorUnavailable.lost(what, self.base_url, error.os_error, connecting=True) from None
             raise GeneratorUnavailable.lost(what, self.base_url, error, connecting=False) from None
+        if status >= 500:
+            raise GeneratorUnavailable.answered(what, self.base_url, status, body.decode("utf-8", errors="replace"))
+        return status, body
 
     def _client(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         """The pooled HTTP session and the in-flight bound of the running event loop."""

@@ -238,12 +238,14 @@ WEIGHT_SYNC_TIMEOUT_S = 300.0
 
 class GeneratorUnavailable(RuntimeError):
     """The generator server (``trl vllm-serve`` / ``vllm serve`` at ``vllm_server_base_url``) refused or dropped a
-    request, or did not answer it in time: what a server that was killed or hangs looks like to its clients. Expected
-    where a server is started by hand, so ``searchr1-train`` stops on it with this one line, not a traceback."""
+    request, did not answer it in time, or answered it with a server error (HTTP 5xx): what a server that was killed,
+    hangs or whose engine died looks like to its clients. Expected where a server is started by hand, so
+    ``searchr1-train`` stops on it with this one line, not a traceback."""
 
-    def __init__(self, what: str, url: str, cause: str, setting: str | None = None):
+    def __init__(self, what: str, url: str, cause: str, setting: str | None = None,
+                 hint: str = "Is it running? See its log"):
         slow = f", and raise {setting} if it is only slow" if setting else ""
-        super().__init__(f"{what} failed: the generator at {url} {cause}. Is it running? See its log{slow}")
+        super().__init__(f"{what} failed: the generator at {url} {cause}. {hint}{slow}")
 
     @classmethod
     def timed_out(cls, what: str, url: str, timeout_s: float, setting: str) -> GeneratorUnavailable:
@@ -255,10 +257,18 @@ class GeneratorUnavailable(RuntimeError):
         detail = " ".join(str(error).split()) or type(error).__name__
         return cls(what, url, f"{'could not be reached' if connecting else 'dropped the connection'} ({detail})")
 
+    @classmethod
+    def answered(cls, what: str, url: str, status: int, body: str) -> GeneratorUnavailable:
+        """A server error (HTTP ``status`` >= 500, e.g. vLLM's engine died): the server is up but cannot serve, so
+        only its log says why; the start of ``body`` (on one line) is shown."""
+        detail = " ".join(body.split())[:300]
+        return cls(what, url, f"answered HTTP {status}" + (f" ({detail})" if detail else ""), hint="See its log")
+
 
 def _post(base_url: str, path: str, timeout_s: float, what: str, **request) -> httpx.Response:
-    """``POST base_url + path`` (an HTTP error raises), for the dev-mode routes a push drives; no answer within
-    ``timeout_s``, a refused or a dropped connection raise :class:`GeneratorUnavailable` naming ``what``."""
+    """``POST base_url + path``, for the dev-mode routes a push drives; no answer within ``timeout_s``, a refused or a
+    dropped connection and a server error raise :class:`GeneratorUnavailable` naming ``what``, any other HTTP error
+    a RuntimeError naming it."""
     try:
         with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
             response = client.post(path, **request)
@@ -266,7 +276,11 @@ def _post(base_url: str, path: str, timeout_s: float, what: str, **request) -> h
         raise GeneratorUnavailable.timed_out(what, base_url, timeout_s, "weight_sync_timeout_s") from None
     except httpx.TransportError as error:
         raise GeneratorUnavailable.lost(what, base_url, error, isinstance(error, httpx.ConnectError)) from None
-    response.raise_for_status()
+    if response.status_code >= 500:
+        raise GeneratorUnavailable.answered(what, base_url, response.status_code, response.text)
+    if response.is_error:  # e.g. 404: a server started without VLLM_SERVER_DEV_MODE=1 has no dev-mode routes
+        raise RuntimeError(f"{what} failed: the generator at {base_url} answered HTTP {response.status_code}: "
+                           f"{' '.join(response.text.split())[:300]}")
     return response
 
 

@@ -34,10 +34,13 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
+import os
 import pickle
 import re
 import shutil
+import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -47,6 +50,7 @@ import torch
 from searchr1_trl.serving.vllm_server import (
     IPC_WORKER_EXTENSION,  # noqa: F401 (re-exported: the class it names lives here)
     WEIGHT_SYNC_TIMEOUT_S,
+    GeneratorUnavailable,
     collective_rpc,
     cpu_build,
     pause_generation,
@@ -74,10 +78,34 @@ class NcclPush:
         self.vllm_generation, self.timeout_s = vllm_generation, timeout_s
 
     def push(self, model: torch.nn.Module) -> None:
-        self.vllm_generation.sync_weights()
         client = getattr(self.vllm_generation, "vllm_client", None)
-        if client is not None:
-            reset_prefix_cache(client.base_url, self.timeout_s)
+        if client is None:  # another process: it only takes part in the gathers, the main process pushes
+            self.vllm_generation.sync_weights()
+            return
+        what = "weight push (TRL's NCCL sync_weights)"
+        with exit_after(self.timeout_s, str(GeneratorUnavailable.timed_out(what, client.base_url, self.timeout_s,
+                                                                           "weight_sync_timeout_s"))):
+            self.vllm_generation.sync_weights()
+        reset_prefix_cache(client.base_url, self.timeout_s)
+
+
+@contextlib.contextmanager
+def exit_after(timeout_s: float, message: str) -> Iterator[None]:
+    """End the process with ``error: message`` (exit status 1) if the block outlasts ``timeout_s``. For a call nothing
+    can interrupt: TRL's client posts with no timeout, and an NCCL broadcast to a server that is gone waits on the GPU
+    forever. The launcher then stops the other processes, which wait in the next collective."""
+    def expire() -> None:
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class ReloadPush:

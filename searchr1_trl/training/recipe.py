@@ -228,8 +228,9 @@ class SearchR1Config(GRPOConfig):
     )
     weight_sync_timeout_s: float = field(
         default=WEIGHT_SYNC_TIMEOUT_S,
-        metadata={"help": "How long each request of a weight push (reload, prefix-cache reset, pause, resume) waits "
-                          "for the vLLM server, in s; then training stops in one line naming the server. 300 s: the "
+        metadata={"help": "How long each request of a weight push (reload, prefix-cache reset, pause, resume; an "
+                          "NCCL push as a whole) waits for the vLLM server, in s; then training stops in one line "
+                          "naming the server. 300 s: the "
                           "pushes measured on GPU take 0.1-3 s (experiments/results), the margin is for a large "
                           "model's weights read from a slow disk; it bounds how long a hung server holds the run."},
     )
