@@ -70,6 +70,7 @@ def test_every_recipe_prints_disjoint_gpus_and_the_planned_process_counts(recipe
         held = {role: gpus(env) for role, (env, _) in roles.items()}
         if values.get("weight_sync") == "ipc":  # the push goes through CUDA IPC to a server on the trainer's GPU
             assert held["generator"] == held["trainer"]
+            assert values.get("generator_kv_cache_gib"), f"{recipe}: a server beside the trainer needs a fixed cache"
         else:
             assert not held.get("generator", set()) & held.get("trainer", set()), recipe
             assert not held.get("retriever", set()) & (held.get("generator", set()) | held.get("trainer", set()))
@@ -87,6 +88,19 @@ def test_every_recipe_prints_disjoint_gpus_and_the_planned_process_counts(recipe
                 assert argv[1:3] == ["-m", "accelerate.commands.launch"]
                 assert held["trainer"] == set(trainer_gpus)
                 assert int(flag(argv, "--num_processes")) == len(trainer_gpus) * values.get("trainer_nodes", 1)
+
+
+def test_a_generator_sharing_the_trainers_gpu_without_a_fixed_cache_is_warned_about(tmp_path, capsys, caplog):
+    recipe = yaml.safe_load((CONFIGS / "offline_gpu.yaml").read_text())
+    del recipe["generator_kv_cache_gib"]
+    unfixed = tmp_path / "unfixed.yaml"
+    unfixed.write_text(yaml.safe_dump(recipe))
+    with caplog.at_level("WARNING", logger="searchr1_trl.serving.launch"):
+        dry_run(capsys, "--config", "offline_gpu")
+        assert caplog.text == ""
+        dry_run(capsys, "--config", str(unfixed))
+    assert ("the generator shares GPUs [0] with the trainer and takes vllm_gpu_memory_utilization=0.3 of each for "
+            "itself; set generator_kv_cache_gib") in caplog.text
 
 
 def test_the_two_machine_recipe_trains_on_machine_0_and_serves_from_machine_1s_address(capsys):

@@ -237,6 +237,13 @@ def _retriever(plan: LaunchConfig, values: dict, host: str, port: int, out: Path
 
 
 def _generator(plan: LaunchConfig, values: dict, host: str, port: int, out: Path) -> Process:
+    shared = _node_gpus(plan, "generator", plan.generator_node) & _node_gpus(plan, "trainer", plan.generator_node)
+    if shared and plan.generator_kv_cache_gib is None:
+        # vLLM sizes its cache to vllm_gpu_memory_utilization of the whole card, blind to the trainer that starts after
+        # it: 30% of an 80 GB card beside offline_gpu's fast update (~57 GiB peak) runs the trainer out of memory.
+        logger.warning("the generator shares GPUs %s with the trainer and takes vllm_gpu_memory_utilization=%s of "
+                       "each for itself; set generator_kv_cache_gib (a fixed KV cache, e.g. 3 for a 0.5B model) so "
+                       "the trainer's peak fits beside it", sorted(shared), values["vllm_gpu_memory_utilization"])
     config = VLLMServerConfig.for_this_machine(
         resolve_path(values["model_name_or_path"]), host=host, port=port,
         tensor_parallel_size=values["vllm_tensor_parallel_size"],
