@@ -16,6 +16,7 @@ import torch
 from searchr1_trl.engine.generation import SamplingParams, VLLMServerGenerator, end_token_ids
 from searchr1_trl.engine.in_process import TransformersGenerator
 from searchr1_trl.serving.processes import free_port
+from searchr1_trl.serving.vllm_server import GeneratorUnavailable
 from tests.conftest import serve_fake
 
 PROMPTS = [[151644, 872, 198, 9707], [151644, 872, 198, 3838, 374, 279, 6722, 315, 9625, 30], [9707, 11, 1879]]
@@ -232,13 +233,21 @@ def test_vllm_client_sends_token_ids_and_reads_token_ids_logprobs_and_finish_rea
 
 
 def test_vllm_http_failures_name_the_url_and_status():
-    fake = FakeCompletionsServer(503)
+    refused = FakeCompletionsServer(400)  # a request the server refuses: ours to fix, so not "the generator is down"
+    with pytest.raises(RuntimeError, match=rf"POST {refused.url}/v1/completions failed with HTTP 400") as failure:
+        vllm_generate(refused.url, PROMPTS[:1], model="served")
+    assert not isinstance(failure.value, GeneratorUnavailable)
+    with pytest.raises(RuntimeError, match=rf"GET {refused.url}/v1/models failed with HTTP 400"):
+        vllm_generate(refused.url, PROMPTS[:1])
+    refused.server.shutdown()
 
-    with pytest.raises(RuntimeError, match=rf"POST {fake.url}/v1/completions failed with HTTP 503"):
-        vllm_generate(fake.url, PROMPTS[:1], model="served")
-    with pytest.raises(RuntimeError, match=rf"GET {fake.url}/v1/models failed with HTTP 503"):
-        vllm_generate(fake.url, PROMPTS[:1])
-    fake.server.shutdown()
+    failing = FakeCompletionsServer(503)  # a server error: the generator cannot serve, training stops on it
+    for model, what in (("served", "POST /v1/completions"), (None, "GET /v1/models")):
+        with pytest.raises(GeneratorUnavailable) as failure:
+            vllm_generate(failing.url, PROMPTS[:1], model=model)
+        assert str(failure.value) == (f"generation request ({what}) failed: the generator at {failing.url} answered "
+                                      'HTTP 503 ({"error": "overloaded"}). See its log')
+    failing.server.shutdown()
 
 
 def test_vllm_generator_rejects_a_url_that_is_not_http():
