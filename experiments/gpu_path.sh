@@ -6,6 +6,8 @@
 #   sync_checks_1gpu                 the reload and IPC checks on GPU 0 of a one-GPU host
 #   learn_x2                         offline_gpu, generator GPU 0, trainer GPU 1 (accelerate), NCCL push
 #   learn_1gpu                       offline_gpu as committed on GPU 0, and validated on the first 200 dev rows on GPU 1
+#   journey_1gpu                     one GPU, ~8 min: the README's journey as written, searchr1-launch --config
+#                                    offline_gpu (module form), in $RUNS/journey_1gpu
 #   qwen3_1_7b                       the qwen3_1_7b recipe's mechanics with a random-weight Qwen3-1.7B
 #   beat_rag <gpu> <seed> [flags]    offline_gpu on one GPU, warm start + GRPO
 #   eval_table <gpu> <name> <ckpt>.. direct / rag / agent on 500 seeded questions
@@ -93,6 +95,9 @@ case "${1:?step}" in
     python3 scripts/offline_job.py --config offline_gpu --corpus full --output_dir "$RUNS/learn_x2" \
       --generator vllm --weight_sync nccl --generator_gpus 0 --trainer_gpus 1 --retriever_gpus 1 \
       $EAGER ;;
+  journey_1gpu)  # the plan, the index build, the servers and the trainer exactly as a user's one-GPU launch
+    python3 -m searchr1_trl.cli.launch --config offline_gpu --output_dir "$RUNS/journey_1gpu" \
+      > "$RUNS/journey_1gpu.log" 2>&1 ;;
   learn_1gpu)
     sed '/^eval_sample_seed/d; s/^eval_num_samples: 500/eval_num_samples: 200/' configs/offline_gpu.yaml \
       > configs/offline_gpu_first200.yaml
