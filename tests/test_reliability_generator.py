@@ -215,8 +215,10 @@ FAKE_GENERATOR = textwrap.dedent("""
 """)
 
 TRAINER_FAULTS = {
-    "killed during rollouts": r"generation request \(POST /v1/completions\) failed: the generator at {url} could not "
-                              r"be reached \(\[Errno 111\] Conn[^\n]+\)\. Is it running\? See its log",
+    # refused, or reset when the retry reaches the dying server's socket before it closes: either way one line
+    "killed during rollouts": r"generation request \(POST /v1/completions\) failed: the generator at {url} (could not "
+                              r"be reached \(\[Errno 111\]|dropped the connection \(\[Errno 104\]) Conn[^\n]+\)\. "
+                              r"Is it running\? See its log",
     "hung during a weight push": r"weight push \(POST /collective_rpc reload_weights\) failed: the generator at {url} "
                                  r"did not answer within 2 s\. Is it running\? See its log, and raise "
                                  r"weight_sync_timeout_s if it is only slow",
