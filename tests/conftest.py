@@ -54,15 +54,16 @@ def reliability_size(suite: int, full: int) -> int:
 
 def serve_fake(answer, port: int | None = None) -> ThreadingHTTPServer:
     """A stand-in HTTP server, running in a thread on ``port`` (a free one by default), for faults injected on
-    purpose: ``answer(method, path, body)`` (``body`` the parsed JSON of a POST, None for a GET) gives the status and
-    the bytes to send. A client that hung up first is not an error. The caller shuts it down."""
+    purpose: ``answer(method, path, body)`` (``body`` the parsed JSON of a POST, None for a GET or an empty POST)
+    gives the status and the bytes to send. A client that hung up first is not an error. The caller shuts it down."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
             self._send(*answer("GET", self.path, None))
 
         def do_POST(self):
-            self._send(*answer("POST", self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._send(*answer("POST", self.path, json.loads(raw) if raw else None))
 
         def _send(self, status: int, body: bytes) -> None:
             try:

@@ -17,9 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -42,20 +40,10 @@ def hung_url():
 @pytest.fixture
 def failing_url():
     """A server whose engine died: vLLM's API server stays up and answers every request with HTTP 500."""
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            data = b'{"error": "EngineDeadError: EngineCore encountered an issue.\n See stack trace"}'
-            self.send_response(500)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    from conftest import serve_fake
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    died = b'{"error": "EngineDeadError: EngineCore encountered an issue.\n See stack trace"}'
+    server = serve_fake(lambda method, path, body: (500, died))
     yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
     server.server_close()
@@ -151,19 +139,19 @@ NCCL_PUSH = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("push_state", ["hung", "done"])
-def test_an_nccl_push_that_outlasts_its_timeout_ends_the_run_in_one_line_and_one_that_ends_does_not(push_state,
-                                                                                                    tokenizer):
-    generator = subprocess.Popen([sys.executable, "-c", FAKE_GENERATOR, "none", str(tokenizer.eos_token_id), "-"],
-                                 stdout=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{int(generator.stdout.readline())}"
+def test_an_nccl_push_that_outlasts_its_timeout_ends_the_run_in_one_line_and_one_that_ends_does_not(push_state):
+    from conftest import serve_fake
+
+    generator = serve_fake(lambda method, path, body: (200, b"{}"))  # answers the push's prefix-cache reset
+    url = f"http://127.0.0.1:{generator.server_port}"
     try:
         start = time.monotonic()
         pusher = subprocess.run([sys.executable, "-c", NCCL_PUSH, push_state, url, str(TIMEOUT_S)],
                                 capture_output=True, text=True, timeout=60)
         ran = time.monotonic() - start
     finally:
-        generator.kill()
-        generator.wait()
+        generator.shutdown()
+        generator.server_close()
 
     if push_state == "done":
         assert (pusher.returncode, pusher.stdout, pusher.stderr) == (0, "trained on\n", ""), pusher
