@@ -165,6 +165,10 @@ def test_a_grpo_step_through_the_whole_stack_changes_the_weights_and_syncs_them(
     print(f"server vs trainer, max |logprob gap|: before {(before - original).abs().max():.2e}, after sync "
           f"{(after - trained).abs().max():.2e}; server's own change {(after - before).abs().max():.2e}")
     tolerance = 1e-3  # nats per token; measured 2e-5 to 5e-5
+    # the same gap on the step's own rollouts, as the trainer logs it (TRL logs none without its NCCL client)
+    print(f"the step's generator gap, mean / max: {first['sampling/sampling_logp_difference/mean']:.2e} / "
+          f"{first['sampling/sampling_logp_difference/max']:.2e}")
+    assert first["sampling/sampling_logp_difference/mean"] < tolerance
     assert (before - original).abs().max() < tolerance
     assert (after - trained).abs().max() < tolerance
     assert (after - before).abs().max() > 10 * tolerance

@@ -19,7 +19,8 @@ fails, naming the entry, when the installed versions are not the pinned ones or 
   log-probs to the forward below, so the LM head skips tool tokens; with async rollouts and KL, runs without its KL
   term and adds the KL weighted by the staleness correction (its dapo/cispo normalisation and ``kl`` metric repeated).
 - ``trl.GRPOTrainer.beta``: set to 0 while TRL's loss runs without its KL term (above).
-- ``trl.GRPOTrainer._get_per_token_logps_and_entropies``: overridden, packs the rows for ``padding_free``.
+- ``trl.GRPOTrainer._get_per_token_logps_and_entropies``: overridden, packs the rows for ``padding_free``; the loss's
+  log-probs go to the staleness correction and, lock-step, to :mod:`~searchr1_trl.training.generator_gap`.
 - ``trl.GRPOTrainer._generate``: overridden, pushes the weights first, so TRL's own NCCL push finds them loaded.
 - ``trl.GRPOTrainer._generate_and_score_completions``: overridden, reads each row's sample for ``rollout_func``,
   drops groups without reward spread (``drop_equal_reward_groups``) from the loss mask and the token count it
@@ -58,6 +59,7 @@ from searchr1_trl.training.as_trained import save_recipe
 from searchr1_trl.training.callbacks import CollapseGuard, DivergentStepGuard, NonFiniteGradientGuard
 from searchr1_trl.training.experimental import async_rollouts
 from searchr1_trl.training.experimental.staleness import StalenessCorrection
+from searchr1_trl.training.generator_gap import GeneratorGap
 from searchr1_trl.training.model_card import recipe_section, validation_em
 from searchr1_trl.training.parts import TaskParts, build_task
 from searchr1_trl.training.recipe import SearchR1Config, part_config
@@ -83,9 +85,8 @@ class SearchR1Trainer(GRPOTrainer):
 
     def __init__(self, model, args: SearchR1Config, processing_class=None, peft_config=None,
                  parts: TaskParts | None = None, reward_funcs: list | None = None, **kwargs):
-        self.parts = parts or build_task(args)
-        self.train_stream, self.eval_samples, self.envs = (self.parts.train_stream, self.parts.eval_samples,
-                                                           self.parts.envs)
+        self.parts = parts = parts or build_task(args)
+        self.train_stream, self.eval_samples, self.envs = parts.train_stream, parts.eval_samples, parts.envs
         self._batch_samples: list = []  # the task's samples of the rows being rolled out, in order
         self._loop: asyncio.AbstractEventLoop | None = None
         self._synced_step = -1
@@ -116,6 +117,7 @@ class SearchR1Trainer(GRPOTrainer):
         self.pipeline: async_rollouts.RolloutPipeline | None = None  # made with the dataloader, under async_rollouts
         # Inert unless a step is weighted: a batch carrying behaviour weights, or a step weighted in its loss.
         self.correction = StalenessCorrection(args, self._metrics["train"], self.accelerator)
+        self.generator_gap = GeneratorGap(self.accelerator, self._metrics["train"])  # lock-step, where TRL logs none
         if args.async_rollouts:
             self._plug_async_rollouts(args)
 
@@ -148,6 +150,7 @@ class SearchR1Trainer(GRPOTrainer):
         # one is added (StalenessCorrection.kl_term).
         mask = loss_mask(inputs)
         weighted = self.correction.begin_loss(inputs, self.beta)
+        self.generator_gap.begin_loss(inputs)
         self._loss_positions = (mask.bool(), inputs.get("old_per_token_logps")) if self.args.padding_free else None
         beta, self.beta = self.beta, 0.0 if weighted else self.beta
         try:
@@ -159,6 +162,7 @@ class SearchR1Trainer(GRPOTrainer):
         finally:
             self.beta, self._loss_positions = beta, None
             self.correction.end_loss()
+            self.generator_gap.end_loss()
         return loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
@@ -175,6 +179,7 @@ class SearchR1Trainer(GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
         self.correction.forward(result[0])
+        self.generator_gap.forward(result[0])
         return result
 
     def _generate_and_score_completions(self, inputs):
@@ -190,8 +195,7 @@ class SearchR1Trainer(GRPOTrainer):
             if self.args.drop_equal_reward_groups:
                 output = drop_equal_reward_groups(output, self.num_generations, self.accelerator,
                                                   self._metrics["train"])
-            if self.pipeline is not None:
-                output = self.correction.weigh(output)
+            output = self.correction.weigh(output) if self.pipeline is not None else self.generator_gap.expect(output)
             self._metrics["train"]["generate_and_score/time_s"].append(time.perf_counter() - start)
             if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
                 # since the last step's scoring: its update, then this step's rollouts and scoring (the trainer
@@ -274,11 +278,9 @@ class SearchR1Trainer(GRPOTrainer):
 
     def _sync_generator_weights(self) -> None:
         """Push the policy to the vLLM server once per optimizer step, before the step's rollouts or a validation.
-
-        TRL 1.16 pushes over NCCL only before training rollouts (in ``GRPOTrainer._generate``), so a validation
-        right after step N would sample from step N-1's weights; both paths go through here instead, timed as
-        ``weight_sync/time_s``, and TRL's own check then sees the step as already loaded.
-        """
+        TRL 1.16 pushes over NCCL only before training rollouts (in ``GRPOTrainer._generate``), so a validation right
+        after step N would sample from step N-1's weights; both paths go through here instead, timed as
+        ``weight_sync/time_s``, and TRL's own check then sees the step as already loaded."""
         if self.weight_push is None or self._synced_step == self.state.global_step:
             return
         nccl = self.args.weight_sync == "nccl" and self.args.generator == "vllm"
