@@ -8,6 +8,8 @@
 #   learn_1gpu                       offline_gpu as committed on GPU 0, and validated on the first 200 dev rows on GPU 1
 #   journey_1gpu                     one GPU, ~8 min: the README's journey as written, searchr1-launch --config
 #                                    offline_gpu (module form), in $RUNS/journey_1gpu
+#   journey_seeds "<seeds>"          one GPU, ~6 min a seed, in series: the same launch with --seed each, in
+#                                    $RUNS/journey_s<seed> (seed 42 is the recipe's default)
 #   qwen3_1_7b                       the qwen3_1_7b recipe's mechanics with a random-weight Qwen3-1.7B
 #   beat_rag <gpu> <seed> [flags]    offline_gpu on one GPU, warm start + GRPO
 #   eval_table <gpu> <name> <ckpt>.. direct / rag / agent on 500 seeded questions
@@ -98,6 +100,11 @@ case "${1:?step}" in
   journey_1gpu)  # the plan, the index build, the servers and the trainer exactly as a user's one-GPU launch
     python3 -m searchr1_trl.cli.launch --config offline_gpu --output_dir "$RUNS/journey_1gpu" \
       > "$RUNS/journey_1gpu.log" 2>&1 ;;
+  journey_seeds)  # does the launch collapse on some seeds only? sampling/sampling_logp_difference/* says whose fault
+    for seed in ${2:-42 0}; do
+      python3 -m searchr1_trl.cli.launch --config offline_gpu --seed "$seed" --output_dir "$RUNS/journey_s$seed" \
+        > "$RUNS/journey_s$seed.log" 2>&1 || echo "journey seed $seed exited $?" >> "$RUNS/journey_seeds.txt"
+    done ;;
   learn_1gpu)
     sed '/^eval_sample_seed/d; s/^eval_num_samples: 500/eval_num_samples: 200/' configs/offline_gpu.yaml \
       > configs/offline_gpu_first200.yaml
