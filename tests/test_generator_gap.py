@@ -52,6 +52,18 @@ def test_a_step_trl_measured_itself_or_without_the_generators_logprobs_is_not_me
     assert metrics == {MEAN: [], MAX: []}
 
 
+def test_a_step_trl_scored_before_its_update_is_measured_from_those_log_probs_and_not_again_in_its_losses():
+    # several optimizer steps a generation: a later micro-batch's loss forward runs on updated weights
+    metrics = {MEAN: [], MAX: []}
+    gap = GeneratorGap(Accelerator(cpu=True), metrics)
+    batch = micro_batch([[-1.0, -2.0]], [[1, 1]], [[1, 1]])
+    gap.expect({**batch, "old_per_token_logps": torch.tensor([[-1.5, -2.0]])})
+    assert metrics[MEAN] == [pytest.approx(0.25)] and metrics[MAX] == [pytest.approx(0.5)]
+    gap.begin_loss(batch)
+    gap.forward(torch.tensor([[3.0, 3.0]]))
+    assert len(metrics[MEAN]) == 1
+
+
 @pytest.mark.slow
 def test_the_gap_stays_near_zero_on_the_trainers_weights_and_jumps_when_the_generator_runs_other_weights(
         tiny_model_dir, questions_file, retriever_url, tmp_path, monkeypatch):

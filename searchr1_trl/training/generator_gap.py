@@ -32,8 +32,15 @@ class GeneratorGap:
 
     def expect(self, output: dict) -> dict:
         """A training step's scored ``output``, returned as it is: measured in its loss forwards, unless TRL measured
-        it itself or the generator returned no log-probs."""
-        if "importance_sampling_ratio" not in output and output.get("sampling_per_token_logps") is not None:
+        it itself or the generator returned no log-probs. Where TRL scored the rollouts before the update (several
+        optimizer steps or iterations a generation), those log-probs are the sampling weights' and the step is
+        measured from them now: later micro-batches' loss forwards come after an update."""
+        if "importance_sampling_ratio" in output or output.get("sampling_per_token_logps") is None:
+            return output
+        if output.get("old_per_token_logps") is not None:
+            self.deltas = [self._delta(output, output["old_per_token_logps"])]
+            self._log()
+        else:
             self.rows, self.deltas = output["advantages"].size(0), []
         return output
 
@@ -46,9 +53,7 @@ class GeneratorGap:
         if self._inputs is None:
             return
         inputs, self._inputs = self._inputs, None
-        delta = (logps.detach().float() - inputs["sampling_per_token_logps"].float()).abs()
-        # TRL's rule: tokens the generator could not score (NaN) are left out rather than counted as no gap
-        self.deltas.append(delta[loss_mask(inputs).bool() & ~torch.isnan(delta)])
+        self.deltas.append(self._delta(inputs, logps))
         self.rows -= inputs["advantages"].size(0)
         if self.rows <= 0:
             self._log()
@@ -56,6 +61,13 @@ class GeneratorGap:
     def end_loss(self) -> None:
         """The micro-batch's loss is done (or failed)."""
         self._inputs = None
+
+    @staticmethod
+    def _delta(batch: dict, logps: torch.Tensor) -> torch.Tensor:
+        """``|logps - the generator's|`` on ``batch``'s loss tokens. TRL's rule: tokens the generator could not score
+        (NaN) are left out rather than counted as no gap."""
+        delta = (logps.detach().float() - batch["sampling_per_token_logps"].float()).abs()
+        return delta[loss_mask(batch).bool() & ~torch.isnan(delta)]
 
     def _log(self) -> None:
         delta = torch.cat(self.deltas)
