@@ -73,6 +73,25 @@ class EncoderConfig:
         return {k: v for k, v in asdict(self).items() if k in keys}
 
 
+def forward_groups(lengths: list[int], batch_size: int) -> list[np.ndarray]:
+    """The indices of texts of these ``lengths`` split into forward passes: longest first, at most ``batch_size`` a
+    pass, and a text joins a pass only while the pass padded to its longest text stays within twice the texts' own
+    lengths. A forward pads every text to the longest: 4 queries of 256 tokens beside 60 short ones took a 64-query
+    batch from 0.13 s to 2.26 s (MiniLM, 2 cores), and every request in that batch waited for it."""
+    order = np.argsort([-n for n in lengths], kind="stable")
+    groups: list[list[int]] = []
+    longest = total = 0
+    for i in order:
+        n = max(lengths[i], 1)
+        if groups and len(groups[-1]) < batch_size and (len(groups[-1]) + 1) * longest <= 2 * (total + n):
+            groups[-1].append(int(i))
+            total += n
+        else:
+            groups.append([int(i)])
+            longest = total = n
+    return [np.array(g) for g in groups]
+
+
 class Encoder:
     """A Hugging Face encoder with configurable pooling; ``encode_queries``/``encode_passages`` give float32 arrays."""
 
@@ -106,10 +125,9 @@ class Encoder:
     @torch.inference_mode()
     def _encode(self, texts: list[str]) -> np.ndarray:
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        # Texts of similar length share a batch, so little compute is spent on padding.
-        order = np.argsort([-len(t) for t in texts], kind="stable")
-        for start in range(0, len(texts), self.batch_size):
-            rows = order[start:start + self.batch_size]
+        # Characters past about four per kept token are truncated away and cost the forward nothing.
+        lengths = [min(len(t), 4 * self.config.max_length) for t in texts]
+        for rows in forward_groups(lengths, self.batch_size):
             batch = {k: v.to(self.device) for k, v in self._tokenize([texts[i] for i in rows]).items()}
             hidden = self.model(**batch).last_hidden_state
             if self.config.pooling == "cls":

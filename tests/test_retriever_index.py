@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from retriever_server.build_index import BuildConfig, build, shards_dir
-from retriever_server.encoder import Encoder, EncoderConfig
+from retriever_server.encoder import Encoder, EncoderConfig, forward_groups
 from retriever_server.index import Corpus, IndexConfig, SearchConfig, TorchFlatIndex, load_index, new_index
 from retriever_server.retriever import MismatchError, Retriever, meta_path
 from retriever_server.server import main as serve
@@ -54,6 +54,23 @@ def test_the_encoder_tokenizes_as_the_transformers_call_does(offline_assets):
         assert got[name].dtype == tensor.dtype and got[name].equal(tensor), name
     assert got["attention_mask"].sum(1).tolist()[2] == 12  # the long text was truncated, the short ones padded
     assert encoder.batch_size == 128  # the CPU default
+
+
+def test_long_texts_get_forward_passes_of_their_own_and_each_text_its_one_vector(offline_assets):
+    """A forward pads every text to its longest: short queries beside a few long ones must not pay for them."""
+    lengths = [60] * 60 + [1024] * 4 + [500]
+    groups = forward_groups(lengths, batch_size=128)
+    assert sorted(int(i) for g in groups for i in g) == list(range(len(lengths)))  # each text once
+    for group in groups:  # no pass padded to more than twice its texts' own lengths
+        assert len(group) * max(lengths[i] for i in group) <= 2 * sum(lengths[i] for i in group), group
+    assert max(len(g) for g in groups) >= 56  # the short ones still share one pass
+    assert [len(g) for g in forward_groups([10] * 300, batch_size=128)] == [128, 128, 44]
+
+    encoder = Encoder(EncoderConfig(retriever_model=offline_assets.embedder))
+    texts = [f"who won super bowl {i}?" for i in range(20)] + ["the history of the Amazon rainforest " * 30]
+    together = encoder.encode_queries(texts)
+    alone = np.concatenate([encoder.encode_queries([t]) for t in texts])
+    np.testing.assert_allclose(together, alone, atol=1e-5)
 
 def clustered_unit_vectors(n: int, dim: int) -> np.ndarray:
     """Vectors around 32 centres, like real embeddings (uniform noise is the worst case for IVF and PQ)."""
