@@ -65,6 +65,8 @@ def test_long_texts_get_forward_passes_of_their_own_and_each_text_its_one_vector
         assert len(group) * max(lengths[i] for i in group) <= 2 * sum(lengths[i] for i in group), group
     assert max(len(g) for g in groups) >= 56  # the short ones still share one pass
     assert [len(g) for g in forward_groups([10] * 300, batch_size=128)] == [128, 128, 44]
+    assert [len(g) for g in forward_groups([1000] * 10, batch_size=128, max_chars=4096)] == [4, 4, 2]
+    assert [len(g) for g in forward_groups([5000], batch_size=128, max_chars=4096)] == [1]  # alone, whatever its size
 
     encoder = Encoder(EncoderConfig(retriever_model=offline_assets.embedder))
     texts = [f"who won super bowl {i}?" for i in range(20)] + ["the history of the Amazon rainforest " * 30]
