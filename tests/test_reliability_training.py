@@ -66,15 +66,31 @@ CHILD = textwrap.dedent("""
 """)
 
 
+KILL_MODES = ("after", "during")
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tiny_model_dir, questions_file, retriever_url, tmp_path_factory) -> dict[str, Path]:
+    """The output folder of each mode's child, killed as CHILD says. Both children run at once: most of each one's
+    time is its single-threaded start (the trainer's imports)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    folders = {mode: tmp_path_factory.mktemp(f"killed_{mode}") for mode in KILL_MODES}
+    children = {mode: subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_model_dir), str(folder), questions_file,
+                                        retriever_url, mode], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True)
+                for mode, folder in folders.items()}
+    for mode, child in children.items():
+        _, stderr = child.communicate(timeout=600)
+        assert child.returncode == -signal.SIGKILL, f"{mode}: {stderr[-3000:]}"
+    return folders
+
+
 @pytest.mark.slow  # starts or uses the real retrieval server
 @pytest.mark.parametrize(("mode", "resumed_from"), [("after", 2), ("during", 1)])
-def test_a_run_killed_after_or_during_a_checkpoint_resumes_exactly(tiny_model_dir, questions_file, retriever_url,
-                                                                  tmp_path, mode, resumed_from, reliability_figures):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    child = subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dir), str(tmp_path), questions_file,
-                            retriever_url, mode], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
-
+def test_a_run_killed_after_or_during_a_checkpoint_resumes_exactly(killed_runs, tiny_model_dir, questions_file,
+                                                                  retriever_url, mode, resumed_from,
+                                                                  reliability_figures):
+    tmp_path = killed_runs[mode]
     args = small_config(tmp_path, questions_file, retriever_url, max_steps=3, save_strategy="steps", save_steps=1,
                         save_total_limit=1, generator="transformers", max_tokens_per_turn=8, max_turns=1)
     stream = RecordingStream(part_config(args, "train_stream"))
