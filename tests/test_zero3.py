@@ -34,6 +34,7 @@ def train_recipe(tmp_path: Path, model: Path, questions_file: str, search_url: s
 
 
 @pytest.mark.slow  # one GRPO step of the tiny model through accelerate + DeepSpeed, ~60 s
+@pytest.mark.usefixtures("tiny_vllm_launched")  # the next test's server starts up meanwhile
 def test_the_training_entry_point_takes_a_grpo_step_under_zero3_and_saves_whole_weights(tmp_path, tiny_model_dir,
                                                                                        questions_file, retriever_url):
     # `accelerate launch --config_file accelerate_configs/zero3.yaml scripts/train.py --config ...`, as the Qwen3
@@ -63,14 +64,23 @@ def served_tiny_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_vllm_server(served_tiny_model_dir, tmp_path_factory):
+def tiny_vllm_launched(served_tiny_model_dir, tmp_path_factory):
     """A real `trl vllm-serve` on CPU serving that model (~2 GB, ~20 s to start; the 0.5B under ZeRO-3 would not fit
-    the suite's memory beside its own server)."""
+    the suite's memory beside its own server), launched without waiting: the ZeRO-3 launch of the test that runs
+    first starts up meanwhile, both mostly single-threaded imports."""
     log = tmp_path_factory.mktemp("tiny-vllm") / "server.log"
     config = VLLMServerConfig.for_this_machine(str(served_tiny_model_dir), port=free_port(), max_model_len=4096,
                                                log_file=str(log), startup_timeout_s=600, cpu_kv_cache_gib=0.1)
-    with VLLMServer(config) as server:
+    server = VLLMServer(config).launch()
+    try:
         yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_vllm_server(tiny_vllm_launched):
+    return tiny_vllm_launched.wait_until_healthy()
 
 
 @pytest.mark.slow  # a vLLM server and two asynchronous GRPO steps through accelerate + DeepSpeed, ~50 s
