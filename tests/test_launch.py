@@ -3,7 +3,9 @@ line, and one machine's run: servers stopped when the trainer ends, the trainer 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import shlex
 import subprocess
 import sys
@@ -265,6 +267,27 @@ def test_a_machine_without_the_trainer_serves_until_a_server_exits_then_stops_th
     with pytest.raises(RuntimeError, match=r"the vLLM server exited with status 4 .*; the others were stopped"):
         run_node([retriever, generator], node=0, startup_timeout_s=60)
     assert not listening(retriever_port)
+
+
+def test_with_startup_overlap_the_trainer_starts_while_the_generator_is_still_starting_up(tmp_path, caplog):
+    retriever, _ = stand_in("retriever", 600, tmp_path)
+    # a generator still starting up: alive, not answering its health URL for the whole test
+    generator = Process("generator", 0, [sys.executable, "-c", "import time; time.sleep(600)"], {},
+                        f"http://127.0.0.1:{free_port()}/health", str(tmp_path / "generator.log"))
+    ran = tmp_path / "trainer_ran"
+    trainer = Process("trainer", 0, [sys.executable, "-c", f"open({str(ran)!r}, 'w')"], {})
+    with pytest.raises(TimeoutError, match=r"the vLLM server did not answer http://127\.0\.0\.1:\d+/health within "
+                                           r"3s"):
+        run_node([retriever, generator, trainer], node=0, startup_timeout_s=3)
+    assert not ran.exists()  # the default: the trainer starts once the generator answers
+
+    planned, _ = cli.plan(["--config", "qwen3_8b", "--generator_startup_overlap", "true"])  # the recipe field
+    assert [p.starts_before_generator for p in planned if p.role == "trainer"] == [True]
+    overlapping = dataclasses.replace(trainer, starts_before_generator=True)
+    with caplog.at_level(logging.WARNING):
+        run_node([retriever, generator, overlapping], node=0, startup_timeout_s=3)
+    assert ran.exists()  # it ran, and ended, while the generator never answered
+    assert "generator_startup_overlap is experimental" in caplog.text
 
 
 def test_a_port_another_server_holds_is_refused_before_a_second_server_starts(tmp_path):

@@ -14,7 +14,7 @@ from searchr1_trl.training.experimental import async_rollouts
 from searchr1_trl.training.knobs import PARTS, WIRED
 from searchr1_trl.training.loading import CONFIGS, load_recipe, recipe_path, recipe_values
 from searchr1_trl.training.parts import build_task
-from searchr1_trl.training.plan import PlanError, check_machine, validate_plan
+from searchr1_trl.training.plan import PlanError, check_machine, validate_plan, wait_for_generator
 from searchr1_trl.training.recipe import KNOBS, SearchR1Config, part_config
 
 RECIPES = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
@@ -307,7 +307,7 @@ def test_plan_refuses_a_weight_sync_folder_holding_files_a_push_did_not_write(tm
     validate_plan(args, model_args, check_machine=False)
 
 
-def test_plan_waits_for_a_vllm_server_that_is_starting_up_until_vllm_server_timeout():
+def test_plan_waits_for_a_starting_vllm_server_until_vllm_server_timeout_or_after_a_warm_start():
     """The main job starts the trainer while vLLM starts up; a server that never answers fails the plan after the
     timeout, naming it."""
     import threading
@@ -335,6 +335,17 @@ def test_plan_waits_for_a_vllm_server_that_is_starting_up_until_vllm_server_time
         with pytest.raises(PlanError, match=r"not reachable at http://127\.0\.0\.1:9/health within "
                                             r"vllm_server_timeout=1s"):
             validate_plan(args, model_args)
+        # A warm start needs only the retriever: the plan does not wait for the generator then, the run does after
+        # its warm start (searchr1-train), as long as vllm_server_timeout, failing in the same line.
+        start = time.monotonic()
+        args, model_args = parse_recipe("qwen3_1_7b", *servers[:4], "--vllm_server_base_url", "http://127.0.0.1:9",
+                                        "--vllm_server_timeout", "60", "--warm_start_traces", "8")
+        validate_plan(args, model_args)
+        assert time.monotonic() - start < 60
+        args.vllm_server_timeout = 1
+        with pytest.raises(PlanError, match=r"not reachable at http://127\.0\.0\.1:9/health within "
+                                            r"vllm_server_timeout=1s"):
+            wait_for_generator(args)
     finally:
         retriever.shutdown()
         for server in generator:

@@ -7,14 +7,16 @@ import asyncio
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from trl import ModelConfig
 
-from searchr1_trl.cli.train import train
+from searchr1_trl.cli.train import hand_warm_start_to_generator, train
 from searchr1_trl.engine.generation import end_token_ids
 from searchr1_trl.engine.rollout import RolloutConfig, RolloutStatus
 from searchr1_trl.tasks.common.data import SearchR1Dataset, SearchR1DatasetConfig
@@ -160,6 +162,38 @@ def test_grpo_starts_from_the_warm_started_model(tiny_model_dir, tokenizer, retr
     base = load_file(tiny_model_dir / "model.safetensors")
     assert all(torch.equal(final[name], warmed[name]) for name in final)
     assert not all(torch.equal(warmed[name], base[name].to(warmed[name].dtype)) for name in warmed)
+
+
+@pytest.mark.slow  # two reloads and three 8-token greedy completions on the shared CPU vLLM server
+def test_a_reload_generator_samples_from_the_warm_started_weights_once_handed_them(vllm_server, offline_assets,
+                                                                                  tmp_path):
+    """searchr1-train hands the warm start to a reload generator after waiting for it (it may have been starting up
+    during the warm start), so that the step-0 validation samples from the warm-started weights. The weights here:
+    the model with its first input norm negated (vLLM's reload keeps every weight a folder leaves out)."""
+    name = "model.layers.0.input_layernorm.weight"
+    norm = load_file(Path(offline_assets.model) / "model.safetensors")[name]
+
+    def folder(sign: float) -> str:
+        path = tmp_path / f"norm{sign:+.0f}"
+        path.mkdir()
+        save_file({name: norm * sign}, str(path / "model.safetensors"))
+        return str(path)
+
+    def greedy() -> str:
+        request = {"model": offline_assets.model, "prompt": "The river Thames flows", "max_tokens": 8,
+                   "temperature": 0.0}
+        return httpx.post(f"{vllm_server.base_url}/v1/completions", json=request, timeout=300).json()["choices"][0][
+            "text"]
+
+    before = greedy()
+    try:
+        hand_warm_start_to_generator(SimpleNamespace(generator_url=vllm_server.base_url, weight_sync_timeout_s=300),
+                                     folder(-1.0))
+        assert greedy() != before
+    finally:  # the server is shared: its own weights back
+        hand_warm_start_to_generator(SimpleNamespace(generator_url=vllm_server.base_url, weight_sync_timeout_s=300),
+                                     folder(+1.0))
+    assert greedy() == before
 
 
 def test_the_second_query_is_the_questions_content_words():

@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from searchr1_trl.serving.vllm_server import GeneratorUnavailable
+from searchr1_trl.serving.vllm_server import GeneratorUnavailable, reload_weights
 from searchr1_trl.training.checkpoints import CheckpointSaveError, OutputDirLock, resume_checkpoint
 from searchr1_trl.training.loading import load_recipe, recipe_path, recipe_values
-from searchr1_trl.training.plan import PlanError, check_machine, validate_plan
+from searchr1_trl.training.plan import PlanError, check_machine, validate_plan, wait_for_generator, warm_start_due
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,20 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"error: {' '.join(str(error).split())}")
         try:
             train(args, model_args)
-        except GeneratorUnavailable as error:  # a server started by hand was killed or hangs, at any point of a run
+        # a server started by hand was killed or hangs, at any point of a run, or never came up after the warm start
+        except (GeneratorUnavailable, PlanError) as error:
             sys.exit(f"error: {error}")
+
+
+def hand_warm_start_to_generator(args, folder: str) -> None:
+    """The reload generator loads the warm-started weights (from the main process, the others waiting), so that the
+    first validation and rollouts sample from them."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    if state.is_main_process:
+        reload_weights(args.generator_url, folder, args.weight_sync_timeout_s)
+    state.wait_for_everyone()
 
 
 def train(args, model_args) -> None:
@@ -76,10 +88,14 @@ def train(args, model_args) -> None:
         "attn_implementation": model_args.attn_implementation,
     }
     warm_start_s = None
-    if args.warm_start_traces and not args.resume_from_checkpoint:  # a resumed run's checkpoint has its weights
+    if warm_start_due(args):
         started = time.perf_counter()
         model_args.model_name_or_path = warm_start(args, model_args, build_task(args))
         warm_start_s = time.perf_counter() - started
+    if args.generator == "vllm":  # it may have been starting up during the warm start (validate_plan)
+        wait_for_generator(args, model_args.model_name_or_path)
+        if warm_start_s is not None and args.weight_sync == "reload":  # nccl and ipc push before the first rollouts
+            hand_warm_start_to_generator(args, model_args.model_name_or_path)
     trainer = SearchR1Trainer(model=model_args.model_name_or_path, args=args, peft_config=get_peft_config(model_args))
     trainer.startup.warm_start_s = warm_start_s  # logged with the first step, as part of the start-up
     try:

@@ -14,8 +14,9 @@ trainer that spans machines, and servers that bind their machine's address inste
 authentication either, so a server listens only where the plan needs it (the recipe's URL's host on one machine).
 
 :func:`run_node` runs one machine's processes: the servers under the reaper of :mod:`~searchr1_trl.serving.processes`
-(they die with the launcher, whatever kills it), the retriever answering before the trainer starts (the trainer's
-plan check asks it at once; it waits for the generator itself, ``vllm_server_timeout``), the trainer stopped at once
+(they die with the launcher, whatever kills it), the retriever and the machine's generator answering before the
+trainer starts (with ``generator_startup_overlap`` the trainer starts beside the generator and waits for it itself,
+``vllm_server_timeout``), the trainer stopped at once
 when a server of its machine exits, and every server stopped when the trainer ends, on an error or on Ctrl-C.
 """
 
@@ -91,6 +92,13 @@ class LaunchConfig:
         default=None, metadata={"help": "Encoder family for its prefixes and pooling (e5, bge); None: from the model."})
     retriever_gpu_backend: str = field(
         default="faiss", metadata={"help": "GPU search of a flat index: faiss (faiss-gpu) or torch."})
+    generator_startup_overlap: bool = field(
+        default=False,
+        metadata={"help": "Experimental: start the trainer while the generator server starts up, not once it "
+                          "answers, so that the trainer's imports, model load and warm start run during vLLM's "
+                          "start-up (about 2 minutes of a one-GPU launch, CUDA graphs included); the trainer waits "
+                          "for the server after its warm start. Not yet measured on a GPU; on the 2-core CPU the two "
+                          "start-ups side by side peaked at 16 GiB."})
 
     def __post_init__(self):
         for name in ("trainer_gpus", "generator_gpus", "retriever_gpus"):
@@ -158,6 +166,7 @@ class Process:
     env: dict[str, str]
     health_url: str | None = None
     log_file: str | None = None
+    starts_before_generator: bool = False  # a trainer started beside its machine's generator, not after it answers
 
     def shell(self) -> str:
         """The command as a shell line, its environment first."""
@@ -216,7 +225,7 @@ def plan_processes(plan: LaunchConfig, values: dict, recipe: str, overrides: lis
     for node in range(plan.trainer_nodes):
         processes.append(Process("trainer", node, [*_trainer_launcher(plan, node, hosts, main_process_port),
                                                    "-m", TRAINER_MODULE, "--config", recipe, *trainer],
-                                 _devices(plan.trainer_gpus)))
+                                 _devices(plan.trainer_gpus), starts_before_generator=plan.generator_startup_overlap))
     return sorted(processes, key=lambda p: p.node)
 
 
@@ -340,9 +349,16 @@ def run_node(processes: list[Process], node: int, startup_timeout_s: float = 180
                 time.sleep(1.0)
             name, (popen, log) = next((n, s) for n, s in started.items() if s[0].poll() is not None)
             raise RuntimeError(f"{name} exited with status {popen.returncode} (log: {log}); the others were stopped")
-        # The servers of this machine (and every retriever) answer before the trainer starts: vLLM's start-up peak
-        # and the trainer's model load do not overlap (the 2-core CPU job peaked at 16 GiB with them overlapping).
-        for server in (p for p in processes if p.role == "retriever" or (p in mine and p.role != "trainer")):
+        # Every retriever answers before the trainer starts (its plan check searches at once), and so does this
+        # machine's generator: vLLM's start-up peak and the trainer's model load do not overlap (the 2-core CPU job
+        # peaked at 16 GiB with them overlapping). With generator_startup_overlap the trainer starts beside the
+        # generator and waits for it after its warm start (vllm_server_timeout).
+        overlap = trainer.starts_before_generator
+        if overlap:
+            logger.warning("generator_startup_overlap is experimental: the trainer starts while the generator server "
+                           "starts up (not yet measured on a GPU)")
+        for server in (p for p in processes if p.role == "retriever" or (p in mine and p.role != "trainer"
+                                                                          and not (overlap and p.role == "generator"))):
             wait_healthy(server, started.get(NAMES[server.role], (None,))[0], startup_timeout_s)
         logger.info("training: %s", trainer.shell())
         run_reporting("trainer", trainer.command, needs=started, env={**os.environ, **trainer.env})

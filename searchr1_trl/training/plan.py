@@ -180,8 +180,25 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
             check_retriever(args.search_url, args.topk)
     except ValueError as error:
         raise PlanError(str(error)) from None
-    # Waits, as TRL's own client does: the server may be starting up beside the trainer (scripts/offline_job.py).
-    if args.generator == "vllm" and not _server_answers(f"{args.generator_url}/health", args.vllm_server_timeout):
+    # Waits, as TRL's own client does: the server may be starting up beside the trainer. A warm start needs only the
+    # retriever (its traces are scripted), so it runs meanwhile and the trainer waits afterwards (wait_for_generator).
+    if args.generator == "vllm":
+        if warm_start_due(args) and not _server_answers(f"{args.generator_url}/health"):
+            logger.warning("%s/health does not answer yet: warm-starting meanwhile, then waiting up to %.0fs for it",
+                           args.generator_url, args.vllm_server_timeout)
+        else:
+            wait_for_generator(args, model)
+
+
+def warm_start_due(args) -> bool:
+    """Whether the run fine-tunes on warm-start traces before GRPO (a resumed run's checkpoint has its weights)."""
+    return bool(args.warm_start_traces) and not args.resume_from_checkpoint
+
+
+def wait_for_generator(args, model: str | None = None) -> None:
+    """Return once the vLLM server answers ``/health``, asked for up to ``vllm_server_timeout`` seconds; PlanError
+    naming the server and what to start otherwise."""
+    if not _server_answers(f"{args.generator_url}/health", args.vllm_server_timeout):
         raise PlanError(f"vLLM server not reachable at {args.generator_url}/health within vllm_server_timeout="
-                        f"{args.vllm_server_timeout:.0f}s: start `trl vllm-serve --model {model} --host 127.0.0.1` "
-                        "or fix vllm_server_base_url")
+                        f"{args.vllm_server_timeout:.0f}s: start `trl vllm-serve --model {model or '<model>'} --host "
+                        "127.0.0.1` or fix vllm_server_base_url")

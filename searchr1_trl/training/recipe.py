@@ -248,6 +248,7 @@ class SearchR1Config(GRPOConfig):
     generator_server: str = knob("launch", "generator_server")
     generator_enforce_eager: bool = knob("launch", "generator_enforce_eager")
     generator_kv_cache_gib: float | None = knob("launch", "generator_kv_cache_gib")
+    generator_startup_overlap: bool = knob("launch", "generator_startup_overlap")
     retriever_gpus: list[int] | None = knob("launch", "retriever_gpus")
     retriever_node: int = knob("launch", "retriever_node")
     retriever_index_path: str | None = knob("launch", "retriever_index_path")

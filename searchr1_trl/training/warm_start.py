@@ -8,8 +8,8 @@ spends its first steps finding the format instead of learning to read. The task 
 environment mask are exactly those of training, and says which to learn from. The policy is then fine-tuned on
 its own turns only (TRL's ``SFTTrainer``, ``assistant_masks`` = the rollout's env mask; with ``answer_traces`` most
 traces teach the search calls alone, so that GRPO has the reading left to learn) and saved to
-``<output_dir>/warm_start``, the model GRPO starts from; with a ``reload`` generator the server loads it at once
-(``nccl`` and ``ipc`` push it before the first rollouts anyway).
+``<output_dir>/warm_start``, the model GRPO starts from (``searchr1-train`` hands it to a ``reload`` generator;
+``nccl`` and ``ipc`` push it before the first rollouts anyway).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 
 from searchr1_trl.engine.generation import end_token_ids
 from searchr1_trl.engine.rollout import Rollout
-from searchr1_trl.serving.vllm_server import reload_weights
 from searchr1_trl.tasks.common.data import SearchR1Dataset
 from searchr1_trl.training.update import with_fp32_master_weights
 
@@ -161,8 +160,6 @@ def warm_start(args, model_args, parts) -> str:
     if hasattr(trainer.model, "merge_and_unload"):  # PEFT: GRPO starts from the merged weights (its own adapter)
         trainer.model = trainer.model.merge_and_unload()
     trainer.save_model(str(output_dir))  # with the tokenizer and the model's generation config
-    if trainer.accelerator.is_main_process and args.generator == "vllm" and args.weight_sync == "reload":
-        reload_weights(args.generator_url, output_dir, args.weight_sync_timeout_s)
     trainer.accelerator.wait_for_everyone()
     del trainer
     return str(output_dir)
