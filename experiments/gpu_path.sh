@@ -10,6 +10,9 @@
 #                                    offline_gpu (module form), in $RUNS/journey_1gpu
 #   journey_seeds "<seeds>"          one GPU, ~6 min a seed, in series: the same launch with --seed each, in
 #                                    $RUNS/journey_s<seed> (seed 42 is the recipe's default)
+#   journey_overlap ["<rounds>"]     one GPU, ~8 min a launch, in series: the launch as is, then with
+#                                    generator_startup_overlap, per round (default 2 rounds); wall times in
+#                                    $RUNS/journey_overlap.txt
 #   qwen3_1_7b                       the qwen3_1_7b recipe's mechanics with a random-weight Qwen3-1.7B
 #   beat_rag <gpu> <seed> [flags]    offline_gpu on one GPU, warm start + GRPO
 #   eval_table <gpu> <name> <ckpt>.. direct / rag / agent on 500 seeded questions
@@ -104,6 +107,16 @@ case "${1:?step}" in
     for seed in ${2:-42 0}; do
       python3 -m searchr1_trl.cli.launch --config offline_gpu --seed "$seed" --output_dir "$RUNS/journey_s$seed" \
         > "$RUNS/journey_s$seed.log" 2>&1 || echo "journey seed $seed exited $?" >> "$RUNS/journey_seeds.txt"
+    done ;;
+  journey_overlap)  # the launch as is and with generator_startup_overlap, alternating, warm caches after the first
+    # pair: does starting the trainer beside vLLM cut the launch's wall time, and does the card hold both start-ups?
+    for round in ${2:-1 2}; do
+      for overlap in false true; do
+        start=$(date +%s)
+        python3 -m searchr1_trl.cli.launch --config offline_gpu --generator_startup_overlap "$overlap" \
+          --output_dir "$RUNS/journey_overlap_${overlap}_$round" > "$RUNS/journey_overlap_${overlap}_$round.log" 2>&1
+        echo "overlap=$overlap round=$round rc=$? wall_s=$(( $(date +%s) - start ))" >> "$RUNS/journey_overlap.txt"
+      done
     done ;;
   learn_1gpu)
     sed '/^eval_sample_seed/d; s/^eval_num_samples: 500/eval_num_samples: 200/' configs/offline_gpu.yaml \
