@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from searchr1_trl.cli import launch as cli
-from searchr1_trl.serving.launch import Process, run_node
+from searchr1_trl.serving.launch import Process, print_plan, run_node
 from searchr1_trl.serving.processes import free_port
 from searchr1_trl.training.loading import CONFIGS
 
@@ -269,7 +269,8 @@ def test_a_machine_without_the_trainer_serves_until_a_server_exits_then_stops_th
     assert not listening(retriever_port)
 
 
-def test_with_startup_overlap_the_trainer_starts_while_the_generator_is_still_starting_up(tmp_path, caplog):
+def test_with_startup_overlap_the_trainer_starts_while_the_generator_is_still_starting_up(tmp_path, caplog,
+                                                                                            capsys):
     retriever, _ = stand_in("retriever", 600, tmp_path)
     # a generator still starting up: alive, not answering its health URL for the whole test
     generator = Process("generator", 0, [sys.executable, "-c", "import time; time.sleep(600)"], {},
@@ -281,8 +282,10 @@ def test_with_startup_overlap_the_trainer_starts_while_the_generator_is_still_st
         run_node([retriever, generator, trainer], node=0, startup_timeout_s=3)
     assert not ran.exists()  # the default: the trainer starts once the generator answers
 
-    planned, _ = cli.plan(["--config", "qwen3_8b", "--generator_startup_overlap", "true"])  # the recipe field
+    planned, hosts = cli.plan(["--config", "qwen3_8b", "--generator_startup_overlap", "true"])  # the recipe field
     assert [p.starts_before_generator for p in planned if p.role == "trainer"] == [True]
+    print_plan(planned, hosts)  # the dry run says so
+    assert "# trainer (started beside the generator: generator_startup_overlap)\n" in capsys.readouterr().out
     overlapping = dataclasses.replace(trainer, starts_before_generator=True)
     with caplog.at_level(logging.WARNING):
         run_node([retriever, generator, overlapping], node=0, startup_timeout_s=3)

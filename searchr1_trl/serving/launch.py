@@ -287,7 +287,9 @@ def print_plan(processes: list[Process], hosts: list[str]) -> None:
     for node in sorted({p.node for p in processes}):
         print(f"# machine {node} ({hosts[node]})")
         for process in (p for p in processes if p.node == node):
-            print(f"# {process.role}\n{process.shell()}")
+            beside = (" (started beside the generator: generator_startup_overlap)"
+                      if process.starts_before_generator else "")
+            print(f"# {process.role}{beside}\n{process.shell()}")
 
 
 def _answers(url: str) -> bool:
