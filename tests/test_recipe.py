@@ -345,7 +345,7 @@ def test_plan_waits_for_a_starting_vllm_server_until_vllm_server_timeout_or_afte
         args.vllm_server_timeout = 1
         with pytest.raises(PlanError, match=r"not reachable at http://127\.0\.0\.1:9/health within "
                                             r"vllm_server_timeout=1s"):
-            wait_for_generator(args)
+            wait_for_generator(args, model_args.model_name_or_path)
     finally:
         retriever.shutdown()
         for server in generator:

@@ -90,12 +90,13 @@ def train(args, model_args) -> None:
     warm_start_s = None
     if warm_start_due(args):
         started = time.perf_counter()
-        model_args.model_name_or_path = warm_start(args, model_args, build_task(args))
+        warmed = warm_start(args, model_args, build_task(args))
         warm_start_s = time.perf_counter() - started
-    if args.generator == "vllm":  # it may have been starting up during the warm start (validate_plan)
-        wait_for_generator(args, model_args.model_name_or_path)
-        if warm_start_s is not None and args.weight_sync == "reload":  # nccl and ipc push before the first rollouts
-            hand_warm_start_to_generator(args, model_args.model_name_or_path)
+        if args.generator == "vllm":  # it may have been starting up meanwhile (validate_plan)
+            wait_for_generator(args, model_args.model_name_or_path)
+            if args.weight_sync == "reload":  # nccl and ipc push before the first rollouts
+                hand_warm_start_to_generator(args, warmed)
+        model_args.model_name_or_path = warmed
     trainer = SearchR1Trainer(model=model_args.model_name_or_path, args=args, peft_config=get_peft_config(model_args))
     trainer.startup.warm_start_s = warm_start_s  # logged with the first step, as part of the start-up
     try:

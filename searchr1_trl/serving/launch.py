@@ -355,12 +355,11 @@ def run_node(processes: list[Process], node: int, startup_timeout_s: float = 180
         # machine's generator: vLLM's start-up peak and the trainer's model load do not overlap (the 2-core CPU job
         # peaked at 16 GiB with them overlapping). With generator_startup_overlap the trainer starts beside the
         # generator and waits for it after its warm start (vllm_server_timeout).
-        overlap = trainer.starts_before_generator
-        if overlap:
+        if trainer.starts_before_generator:
             logger.warning("generator_startup_overlap is experimental: the trainer starts while the generator server "
                            "starts up (not yet measured on a GPU)")
-        for server in (p for p in processes if p.role == "retriever" or (p in mine and p.role != "trainer"
-                                                                          and not (overlap and p.role == "generator"))):
+        for server in (p for p in processes if p.role == "retriever" or (
+                p in mine and p.role == "generator" and not trainer.starts_before_generator)):
             wait_healthy(server, started.get(NAMES[server.role], (None,))[0], startup_timeout_s)
         logger.info("training: %s", trainer.shell())
         run_reporting("trainer", trainer.command, needs=started, env={**os.environ, **trainer.env})

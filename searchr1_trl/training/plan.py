@@ -183,11 +183,11 @@ def validate_plan(args, model_args, check_machine: bool = True) -> None:
     # Waits, as TRL's own client does: the server may be starting up beside the trainer. A warm start needs only the
     # retriever (its traces are scripted), so it runs meanwhile and the trainer waits afterwards (wait_for_generator).
     if args.generator == "vllm":
-        if warm_start_due(args) and not _server_answers(f"{args.generator_url}/health"):
+        if not warm_start_due(args):
+            wait_for_generator(args, model)
+        elif not _server_answers(f"{args.generator_url}/health"):
             logger.warning("%s/health does not answer yet: warm-starting meanwhile, then waiting up to %.0fs for it",
                            args.generator_url, args.vllm_server_timeout)
-        else:
-            wait_for_generator(args, model)
 
 
 def warm_start_due(args) -> bool:
@@ -195,10 +195,10 @@ def warm_start_due(args) -> bool:
     return bool(args.warm_start_traces) and not args.resume_from_checkpoint
 
 
-def wait_for_generator(args, model: str | None = None) -> None:
+def wait_for_generator(args, model: str) -> None:
     """Return once the vLLM server answers ``/health``, asked for up to ``vllm_server_timeout`` seconds; PlanError
-    naming the server and what to start otherwise."""
+    naming the server and the command that serves ``model`` otherwise."""
     if not _server_answers(f"{args.generator_url}/health", args.vllm_server_timeout):
         raise PlanError(f"vLLM server not reachable at {args.generator_url}/health within vllm_server_timeout="
-                        f"{args.vllm_server_timeout:.0f}s: start `trl vllm-serve --model {model or '<model>'} --host "
-                        "127.0.0.1` or fix vllm_server_base_url")
+                        f"{args.vllm_server_timeout:.0f}s: start `trl vllm-serve --model {model} --host 127.0.0.1` "
+                        "or fix vllm_server_base_url")
