@@ -60,6 +60,22 @@ def test_the_error_for_a_missing_vllm_server_gives_a_command_bound_to_loopback()
         check_generator("vllm", "m", f"http://127.0.0.1:{free_port()}")
 
 
+@pytest.mark.slow  # a real `trl vllm-serve` that fails in its argument checks, ~15 s of imports
+def test_a_vllm_server_that_fails_to_start_says_why_in_its_error_even_once_its_log_is_gone(tmp_path):
+    from searchr1_trl.serving.vllm_server import VLLMServer, VLLMServerConfig
+
+    not_a_model = tmp_path / "not_a_model"
+    not_a_model.mkdir()
+    log = tmp_path / "vllm.log"
+    config = VLLMServerConfig.for_this_machine(str(not_a_model), port=free_port(), max_model_len=4096,
+                                               log_file=str(log), startup_timeout_s=300)
+    with pytest.raises(RuntimeError) as failed:
+        VLLMServer(config).start()
+    log.unlink()  # as a benchmark's temporary folder goes: the reason must be in the message itself
+    assert re.search(r"exited with code \d+ during startup: \w*Error: .*Invalid repository ID or local directory "
+                     r"specified: '.*not_a_model'", str(failed.value)), str(failed.value)
+
+
 PARENT = textwrap.dedent("""
     import json, sys, time
     from retriever_server.launch import RetrieverProcess

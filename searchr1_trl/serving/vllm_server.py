@@ -16,6 +16,7 @@ import contextlib
 import importlib.metadata
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,24 @@ logger = logging.getLogger(__name__)
 
 # The server's --worker-extension-cls for weight_sync ipc (the class lives in weight_sync.py, which imports torch).
 IPC_WORKER_EXTENSION = "searchr1_trl.serving.weight_sync.IpcWeightLoader"
+
+
+def last_error_line(log_file: str, tail_bytes: int = 65536) -> str | None:
+    """The last ``SomethingError: why`` line of a server log: the reason a start-up failed stays in the message even
+    where the log is gone by the time anyone reads it (a benchmark's temporary folder)."""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    lines = [re.sub(r"^\(\w+ pid=\d+\) ", "", line) for line in lines]  # vLLM's "(APIServer pid=N) " prefix
+    for i in range(len(lines) - 1, -1, -1):
+        match = re.search(r"\b\w*(Error|Exception): .+", lines[i])
+        if match:  # pydantic's "1 validation error for X" gives its reason on the indented next line
+            detail = lines[i + 1].strip() if i + 1 < len(lines) and lines[i + 1].startswith(" ") else ""
+            return " ".join(filter(None, [match.group(0).strip(), detail]))[:500]
+    return None
 
 
 @dataclass
@@ -186,8 +205,10 @@ class VLLMServer:
         deadline = started + self.config.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                reason = last_error_line(self.config.log_file) if self.config.log_file else None
                 raise RuntimeError(
                     f"vLLM server exited with code {self.process.returncode} during startup"
+                    + (f": {reason}" if reason else "")
                     + (f"; see {self.config.log_file}" if self.config.log_file else "")
                 )
             if self.healthy():
