@@ -38,7 +38,7 @@ import pandas as pd
 
 from experiments.report import report
 from experiments.retriever_load import Connection, add_index_arguments, prepare_index
-from retriever_server.batching import BatcherConfig
+from retriever_server.batching_config import BatcherConfig
 from retriever_server.encoder import EncoderConfig
 from retriever_server.index import SearchConfig
 from retriever_server.launch import RetrieverProcess

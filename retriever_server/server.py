@@ -58,7 +58,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import HfArgumentParser
 
-from retriever_server.batching import BadQuery, BatcherConfig, Busy, MicroBatcher, QueueFull
+from retriever_server.batching import BadQuery, Busy, MicroBatcher, QueueFull
+from retriever_server.batching_config import BatcherConfig
 from retriever_server.encoder import EncoderConfig
 from retriever_server.http_limits import bounded_protocol
 from retriever_server.index import SearchConfig

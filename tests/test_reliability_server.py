@@ -22,7 +22,8 @@ from conftest import reliability_size
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from retriever_server.batching import BadQuery, BatcherConfig, Busy, MicroBatcher
+from retriever_server.batching import BadQuery, Busy, MicroBatcher
+from retriever_server.batching_config import BatcherConfig
 from retriever_server.metrics import Metrics, parse_prometheus
 from retriever_server.retriever import Hits
 
