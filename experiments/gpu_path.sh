@@ -13,6 +13,9 @@
 #   journey_overlap ["<rounds>"]     one GPU, ~8 min a launch, in series: the launch as is, then with
 #                                    generator_startup_overlap, per round (default 2 rounds); wall times in
 #                                    $RUNS/journey_overlap.txt
+#   tags_pair ["<seeds>"]            one GPU, ~10 min + ~3 min an eval: the tag protocol and tool calls, one seed of
+#                                    each side by side (default 0), then searchr1-eval of each checkpoint on the report
+#                                    sample, one after the other, in $RUNS/tags_pair and $RUNS/eval_<run>
 #   qwen3_1_7b                       the qwen3_1_7b recipe's mechanics with a random-weight Qwen3-1.7B
 #   beat_rag <gpu> <seed> [flags]    offline_gpu on one GPU, warm start + GRPO
 #   eval_table <gpu> <name> <ckpt>.. direct / rag / agent on 500 seeded questions
@@ -107,6 +110,22 @@ case "${1:?step}" in
     for seed in ${2:-42 0}; do
       python3 -m searchr1_trl.cli.launch --config offline_gpu --seed "$seed" --output_dir "$RUNS/journey_s$seed" \
         > "$RUNS/journey_s$seed.log" 2>&1 || echo "journey seed $seed exited $?" >> "$RUNS/journey_seeds.txt"
+    done ;;
+  tags_pair)  # issue 58's same-session pair. Not more runs side by side: a tool-call warm start beside three tag
+    # trainers ran out of GPU memory, and so did one beside an in-process evaluation (~40 GiB at concurrency 256)
+    for seed in ${2:-0}; do
+      python3 -m experiments.learning run --out "$RUNS/tags_pair" --config offline_gpu_tags --seeds "$seed" --shared_gpu \
+        --variant tags="$LIGHT_SAVES" &
+      sleep 30  # the index builds and model loads overlap less
+      python3 -m experiments.learning run --out "$RUNS/tags_pair" --config offline_gpu --seeds "$seed" --shared_gpu \
+        --base_port 8400 --variant toolcall="$LIGHT_SAVES"
+      wait
+    done
+    python3 -m experiments.learning report "$RUNS/tags_pair" > "$RUNS/tags_pair.md"
+    for run in "$RUNS"/tags_pair/*_s*; do  # apart: searchr1-eval refuses checkpoints of two tasks in one table
+      python3 scripts/eval_offline.py --checkpoints "$run" --corpus full --num_samples 500 --sample_offset 500 \
+        --methods agent --generator transformers --max_concurrency 256 --index_path "$run/data/index.faiss" \
+        --output_dir "$RUNS/eval_$(basename "$run")"
     done ;;
   journey_overlap)  # the launch as is and with generator_startup_overlap, alternating, warm caches after the first
     # pair: does starting the trainer beside vLLM cut the launch's wall time, and does the card hold both start-ups?

@@ -60,7 +60,7 @@ def launch(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     jobs = []
     grid = [(variant, flags, seed) for variant, flags in variants.items() for seed in args.seeds]
-    if len(grid) > 1:
+    if len(grid) > 1 or args.shared_gpu:
         grid = [(variant, f"{SHARED_GPU_UPDATE} {flags}", seed) for variant, flags, seed in grid]
     for i, (variant, flags, seed) in enumerate(grid):
         folder = out / run_name(variant, seed)
@@ -457,6 +457,8 @@ def main() -> None:
     run.add_argument("--base_port", type=int, default=8100)
     run.add_argument("--stagger_s", type=float, default=5.0)
     run.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs (starts faster)")
+    run.add_argument("--shared_gpu", action="store_true",
+                     help="the shared update even for a batch of one run, whose GPU another batch shares")
     rep = sub.add_parser("report", help="the table from finished runs")
     rep.add_argument("out")
     pooled = sub.add_parser("pool", help="one recipe's runs from several batches, at one step")
