@@ -144,6 +144,32 @@ def test_sampled_logprobs_are_after_temperature_like_vllms_processed_logprobs(ti
     assert generation.logprobs == pytest.approx(expected, abs=1e-4)
 
 
+def test_top_p_logprobs_are_over_the_nucleus_renormalised_and_no_step_keeps_the_whole_vocabulary(tiny):
+    # vLLM's processed logprobs after top-p: a token's logprob among the nucleus alone. generate's output_scores would
+    # keep a [rows, vocab] tensor for every step (40 GiB at 256 rows x 256 tokens of Qwen's vocabulary), so the
+    # generator must not ask for them.
+    model, tokenizer = tiny
+    counting = CountingModel(model)
+    configs = []
+    counting.generate = lambda input_ids, **kwargs: configs.append(kwargs["generation_config"]) or model.generate(
+        input_ids=input_ids, **kwargs)
+    torch.manual_seed(0)
+    [generation] = generate_all(TransformersGenerator(counting, tokenizer), PROMPTS[1:2],
+                                SamplingParams(temperature=0.7, top_p=0.5, max_tokens=5))
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPTS[1] + generation.token_ids])).logits[0, len(PROMPTS[1]) - 1:-1].float()
+    expected = []
+    for step, token in zip(logits / 0.7, generation.token_ids, strict=True):
+        probs = torch.softmax(step, dim=-1)
+        ordered, order = probs.sort(descending=True)
+        nucleus = order[: int((ordered.cumsum(0) - ordered < 0.5).sum())]  # the smallest set holding 0.5 of the mass
+        assert token in nucleus.tolist()
+        expected.append(torch.log_softmax(step[nucleus], dim=-1)[nucleus.tolist().index(token)].item())
+    assert generation.logprobs == pytest.approx(expected, abs=1e-4)
+    assert len(configs) == 1 and not configs[0].output_scores
+
+
 def test_generation_stops_at_an_eos_token_and_keeps_it_as_finish_reason_stop(tiny):
     model, tokenizer = tiny
     params = SamplingParams.greedy(max_tokens=8)

@@ -35,6 +35,38 @@ def eager_layers(model):
             module._compiled_call_impl = impl
 
 
+class _SampledLogprobs:
+    """generate's last logits processor: temperature and top-p as generate's own warpers apply them, and the processed
+    logprob of each sampled token (what vLLM's ``processed_logprobs`` gives). A step's token is known only at the next
+    step's call (the last one's from the sequences), so one step's log-softmax is held at a time: generate's
+    ``output_scores`` keeps every step's, 40 GiB at 256 rows x 256 tokens x Qwen's 152k vocabulary."""
+
+    def __init__(self, temperature: float, top_p: float):
+        from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+        self.warpers = [*([TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1.0 else []),
+                        *([TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1.0 else [])]
+        self.steps: list = []  # per step, each row's sampled-token logprob
+        self._last = None  # the newest step's log-softmax, [rows, vocab]
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        if self._last is not None:  # the previous step's tokens are now the sequences' last column
+            self.steps.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def logprobs(self, last_tokens):
+        """[rows, steps]: the sampled tokens' logprobs, given the last step's tokens."""
+        import torch
+
+        steps = [*self.steps, self._last.gather(-1, last_tokens.unsqueeze(-1).to(self._last.device)).squeeze(-1)]
+        return torch.stack(steps, dim=1)
+
+
 @dataclass
 class TransformersGeneratorConfig:
     """Knobs of :class:`TransformersGenerator`."""
@@ -98,39 +130,36 @@ class TransformersGenerator(Generator):
 
     def _generate_batch(self, batch: list[_Request]) -> list[Generation]:
         import torch
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList
 
         params = batch[0].params
         width = max(len(r.prompt_ids) for r in batch)
         # Left padding, so every prompt ends where generation starts.
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])
         attention_mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
-        # Explicit no-op values so the model's generation_config.json cannot change the distribution; the sampling
-        # knobs only where they apply (transformers warns about them in greedy mode).
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "min_p": 0.0,
-                    "typical_p": 1.0}
+        sampled = _SampledLogprobs(params.temperature, params.top_p)
+        # Temperature and top-p are _SampledLogprobs' (generate adds its own warpers after every custom processor);
+        # the values here are explicit no-ops, so the model's generation_config.json cannot change the distribution.
         config = GenerationConfig(
             max_new_tokens=max(r.params.max_tokens for r in batch),
             do_sample=params.temperature > 0,
-            **(sampling if params.temperature > 0 else {}),
+            **({"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "typical_p": 1.0}
+               if params.temperature > 0 else {}),
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
-            output_scores=True,
         )
         device = self.model.device
         with torch.inference_mode(), eager_layers(self.model):
             output = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config,
+                logits_processor=LogitsProcessorList([sampled]),
             )
-        new_tokens = output.sequences[:, width:].tolist()
-        # `scores` are the logits after temperature/top-p (what the token was sampled from), one [batch, vocab] per
-        # step.
-        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in output.scores], dim=1)
-        chosen = logprobs.gather(-1, output.sequences[:, width:].unsqueeze(-1).to(logprobs.device)).squeeze(-1).tolist()
-        rows = zip(batch, new_tokens, chosen, strict=True)
+        new_tokens = output.sequences[:, width:]
+        chosen = sampled.logprobs(new_tokens[:, -1]).tolist()
+        rows = zip(batch, new_tokens.tolist(), chosen, strict=True)
         return [self._cut(r.params, tokens, lps) for r, tokens, lps in rows]
 
     def _cut(self, params: SamplingParams, tokens: list[int], logprobs: list[float]) -> Generation:
