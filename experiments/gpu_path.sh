@@ -112,7 +112,8 @@ case "${1:?step}" in
         > "$RUNS/journey_s$seed.log" 2>&1 || echo "journey seed $seed exited $?" >> "$RUNS/journey_seeds.txt"
     done ;;
   tags_pair)  # issue 58's same-session pair. Not more runs side by side: a tool-call warm start beside three tag
-    # trainers ran out of GPU memory, and so did one beside an in-process evaluation (~40 GiB at concurrency 256)
+    # trainers ran out of GPU memory, and so did one beside an in-process evaluation (40 GiB at concurrency 256 while
+    # the in-process generator kept every step's scores; evaluations still run after training)
     for seed in ${2:-0}; do
       python3 -m experiments.learning run --out "$RUNS/tags_pair" --config offline_gpu_tags --seeds "$seed" --shared_gpu \
         --variant tags="$LIGHT_SAVES" &
